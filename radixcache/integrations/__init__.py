@@ -1,0 +1,1 @@
+"""Adapters from radixcache to other systems (importable as ``radixcache.integrations.*``)."""
