@@ -1,0 +1,134 @@
+"""KVPool: per-layer paged K/V storage, ``[num_blocks + 1, 2, block_size, kv_heads, head_dim]``.
+
+The layout is FlashInfer's "NHD" paged layout with K and V interleaved per block. Block
+``num_blocks`` is an extra all-zero *null block* that padding columns point at; it is never handed
+out by the allocator. Positions are addressed by *K rows*: the row of (block b, offset o) in the
+layer tensor viewed as ``[-1, kv_heads, head_dim]`` is ``b * 2 * block_size + o``; its V row is
+``block_size`` further. fp8 storage (e4m3) keeps one scale per layer for K and one for V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_HEADROOM = 4.0  # the first write puts amax at FP8_MAX / FP8_HEADROOM
+
+
+def resolve_kv_dtype(kv_dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """Map ``kv_dtype`` (None, a torch dtype, or one of "fp8", "bf16", "fp16", "fp32") to a torch dtype."""
+    if kv_dtype is None:
+        return model_dtype
+    if isinstance(kv_dtype, torch.dtype):
+        return kv_dtype
+    names = {"fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+             "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+    if kv_dtype not in names:
+        raise ValueError(f"kv_dtype must be None, a torch dtype or one of {sorted(names)}, got {kv_dtype!r}")
+    return names[kv_dtype]
+
+
+class KVPool:
+    """Paged K/V tensors for every layer of one model, addressed by block id and offset.
+
+    ``write`` and ``read`` take K rows (see ``rows_for``) and convert to and from the storage dtype,
+    so callers always see the compute dtype.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, *, dtype: torch.dtype, device, kv_dtype=None):
+        for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks),
+                            ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.storage_dtype = resolve_kv_dtype(kv_dtype, dtype)
+        self.quantized = self.storage_dtype == torch.float8_e4m3fn
+        self.null_block = num_blocks
+        shape = (num_blocks + 1, 2, block_size, num_kv_heads, head_dim)
+        # torch.empty: untouched pages cost nothing until a block is written. Only the null block is
+        # read without being written, so only it must hold finite values.
+        self.layers = [torch.empty(shape, dtype=self.storage_dtype, device=self.device)
+                       for _ in range(num_layers)]
+        for layer in self.layers:
+            layer[self.null_block].zero_()
+        self._flat = [t.view(-1, num_kv_heads, head_dim) for t in self.layers]
+        if self.quantized:
+            self._flat = [t.view(torch.uint8) for t in self._flat]
+        self.scales = torch.zeros(num_layers, 2, dtype=torch.float32, device=self.device)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers, in storage dtype."""
+        elem = torch.empty((), dtype=self.storage_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the pool reserves (including the null block)."""
+        return self.bytes_per_token * self.block_size * (self.num_blocks + 1)
+
+    def rows_for(self, blocks: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """K rows of sequence positions ``start .. end-1`` of a sequence whose block table is ``blocks``."""
+        bs = self.block_size
+        if end > len(blocks) * bs or start < 0 or start > end:
+            raise ValueError(f"positions {start}..{end} do not fit {len(blocks)} blocks of {bs}")
+        pos = torch.arange(start, end, device=self.device)
+        table = torch.as_tensor(list(blocks), dtype=torch.long, device=self.device)
+        return table[pos // bs] * (2 * bs) + pos % bs
+
+    def null_rows(self, n: int) -> torch.Tensor:
+        """``n`` K rows that all point at the zero null block (for padding columns)."""
+        return torch.full((n,), self.null_block * 2 * self.block_size, dtype=torch.long,
+                          device=self.device)
+
+    def write(self, layer: int, k_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``keys``/``values`` (``[N, kv_heads, head_dim]``) at the positions ``k_rows`` (``[N]``)."""
+        flat = self._flat[layer]
+        if self.quantized:
+            keys = self._quantize(layer, 0, keys)
+            values = self._quantize(layer, 1, values)
+        else:
+            keys = keys.to(self.storage_dtype)
+            values = values.to(self.storage_dtype)
+        flat.index_copy_(0, k_rows, keys)
+        flat.index_copy_(0, k_rows + self.block_size, values)
+
+    def read(self, layer: int, k_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (``[N, kv_heads, head_dim]``, compute dtype) at the positions ``k_rows``."""
+        flat = self._flat[layer]
+        keys = flat.index_select(0, k_rows)
+        values = flat.index_select(0, k_rows + self.block_size)
+        if self.quantized:
+            return self._dequantize(layer, 0, keys), self._dequantize(layer, 1, values)
+        return keys, values
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy every layer's K/V of block ``src`` into block ``dst`` (copy on write)."""
+        for layer in self.layers:
+            layer[dst].copy_(layer[src])
+
+    def _quantize(self, layer: int, kv: int, x: torch.Tensor) -> torch.Tensor:
+        scale = self.scales[layer, kv]
+        if float(scale) == 0.0:
+            amax = float(x.detach().abs().max()) if x.numel() else 0.0
+            scale.fill_(max(amax * FP8_HEADROOM / FP8_MAX, 1e-8))
+        q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return q.view(torch.uint8)
+
+    def _dequantize(self, layer: int, kv: int, q: torch.Tensor) -> torch.Tensor:
+        return (q.view(torch.float8_e4m3fn).to(torch.float32) * self.scales[layer, kv]).to(self.dtype)
+
+    def __repr__(self) -> str:
+        return (f"KVPool(layers={self.num_layers}, blocks={self.num_blocks}x{self.block_size}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.storage_dtype})")
