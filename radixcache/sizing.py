@@ -1,0 +1,320 @@
+"""How many bytes of KV cache a model needs per token, per sequence and for a batch.
+
+bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element. Multi-head latent
+attention (MLA, DeepSeek) caches one shared vector of ``latent_dim + rope_dim`` elements per token
+per layer instead, with no factor 2 because keys and values are both rebuilt from it.
+
+Pure Python: importing this module does not import torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ATTENTION_KINDS = ("MHA", "GQA", "MQA", "MLA")
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+_KIB = 1024
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def _check_int(value, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a KV-cache dtype name: fp32 4, bf16 2, fp16 2, fp8 1 (case-insensitive).
+
+    Raises TypeError for a non-string and ValueError for an unknown name.
+    """
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a string such as 'bf16', got {type(dtype).__name__}")
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}") from None
+
+
+def classify_attention(query_heads: int, kv_heads: int) -> str:
+    """The attention kind implied by head counts: "MQA" if one KV head, "MHA" if as many KV heads
+    as query heads, else "GQA". Raises ValueError if kv_heads exceeds query_heads."""
+    _check_int(query_heads, "query_heads", 1)
+    _check_int(kv_heads, "kv_heads", 1)
+    if kv_heads > query_heads:
+        raise ValueError(f"kv_heads ({kv_heads}) cannot exceed query heads ({query_heads})")
+    if kv_heads == 1:
+        return "MQA"
+    if kv_heads == query_heads:
+        return "MHA"
+    return "GQA"
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The shape of one model's KV cache.
+
+    For MHA/GQA/MQA, ``kv_heads`` x ``head_dim`` elements are cached for K and again for V in each
+    of ``layers`` layers. For MLA the cache holds one vector per token per layer: ``kv_heads`` must
+    be 1, ``head_dim`` must equal ``latent_dim + rope_dim``, and there is no factor 2 (build one
+    with ``KVShape.mla``). ``query_heads`` is optional and, when given, must agree with
+    ``attention``. Invalid fields raise ValueError/TypeError at construction.
+    """
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    attention: str
+    latent_dim: int = 0
+    rope_dim: int = 0
+    query_heads: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError("name must be a non-empty string")
+        _check_int(self.layers, "layers", 1)
+        _check_int(self.kv_heads, "kv_heads", 1)
+        _check_int(self.head_dim, "head_dim", 1)
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
+        _check_int(self.latent_dim, "latent_dim", 0)
+        _check_int(self.rope_dim, "rope_dim", 0)
+        if self.query_heads is not None:
+            _check_int(self.query_heads, "query_heads", 1)
+        if self.attention == "MLA":
+            self._check_mla()
+        else:
+            self._check_heads()
+
+    def _check_mla(self):
+        if self.latent_dim < 1:
+            raise ValueError(f"{self.name}: MLA needs latent_dim >= 1")
+        if self.kv_heads != 1 or self.head_dim != self.latent_dim + self.rope_dim:
+            raise ValueError(f"{self.name}: MLA caches one vector per token per layer: kv_heads must be 1 "
+                             f"and head_dim latent_dim + rope_dim = {self.latent_dim + self.rope_dim}")
+
+    def _check_heads(self):
+        if self.latent_dim or self.rope_dim:
+            raise ValueError(f"{self.name}: latent_dim/rope_dim apply only to MLA, not {self.attention}")
+        if self.attention == "MQA" and self.kv_heads != 1:
+            raise ValueError(f"{self.name}: MQA means one KV head, got kv_heads={self.kv_heads}")
+        if self.query_heads is None:
+            return
+        if self.kv_heads > self.query_heads:
+            raise ValueError(f"{self.name}: kv_heads ({self.kv_heads}) exceeds "
+                             f"query_heads ({self.query_heads})")
+        if self.attention == "MHA" and self.kv_heads != self.query_heads:
+            raise ValueError(f"{self.name}: MHA means kv_heads == query_heads, "
+                             f"got {self.kv_heads} != {self.query_heads}")
+        if self.attention == "GQA" and not 1 < self.kv_heads < self.query_heads:
+            raise ValueError(f"{self.name}: GQA means 1 < kv_heads < query_heads, "
+                             f"got {self.kv_heads} of {self.query_heads}")
+
+    @classmethod
+    def mla(cls, name: str, layers: int, latent_dim: int, rope_dim: int,
+            query_heads: int | None = None) -> KVShape:
+        """An MLA shape caching ``latent_dim + rope_dim`` elements per token per layer."""
+        _check_int(latent_dim, "latent_dim", 1)
+        _check_int(rope_dim, "rope_dim", 0)
+        return cls(name, layers, 1, latent_dim + rope_dim, "MLA", latent_dim=latent_dim, rope_dim=rope_dim,
+                   query_heads=query_heads)
+
+    @property
+    def elements_per_token(self) -> int:
+        """Cached elements per token across all layers."""
+        per_layer = self.head_dim if self.attention == "MLA" else 2 * self.kv_heads * self.head_dim
+        return self.layers * per_layer
+
+    def bytes_per_token(self, dtype: str = "bf16") -> int:
+        """KV bytes for one token in every layer at ``dtype`` (see ``dtype_bytes``)."""
+        return self.elements_per_token * dtype_bytes(dtype)
+
+    def bytes_per_sequence(self, context: int, dtype: str = "bf16") -> int:
+        """KV bytes for one sequence of ``context`` tokens."""
+        return _check_int(context, "context", 0) * self.bytes_per_token(dtype)
+
+    def bytes_for(self, sequences: int, context: int, dtype: str = "bf16") -> int:
+        """KV bytes for ``sequences`` sequences of ``context`` tokens each."""
+        return _check_int(sequences, "sequences", 0) * self.bytes_per_sequence(context, dtype)
+
+
+PRESETS: dict[str, KVShape] = {
+    shape.name: shape
+    for shape in (
+        KVShape("Llama-3-8B", 32, 8, 128, "GQA", query_heads=32),
+        KVShape("Llama-3-8B-MQA", 32, 1, 128, "MQA", query_heads=32),  # hypothetical variant
+        KVShape("Mistral-7B", 32, 8, 128, "GQA", query_heads=32),
+        KVShape("LLaMA-7B", 32, 32, 128, "MHA", query_heads=32),
+        KVShape.mla("DeepSeek-V3", 61, latent_dim=512, rope_dim=64, query_heads=128),
+        KVShape("SmolLM2-135M", 30, 3, 64, "GQA", query_heads=9),
+    )
+}
+
+
+def _preset_key(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch not in "-_ .")
+
+
+def preset(name: str) -> KVShape:
+    """The preset named ``name``, ignoring case and the separators ``- _ .`` and spaces
+    ("llama-3-8b", "LLAMA_3_8B"). Raises ValueError listing the presets when none matches."""
+    if not isinstance(name, str):
+        raise TypeError(f"preset name must be a string, got {type(name).__name__}")
+    wanted = _preset_key(name)
+    for key, shape in PRESETS.items():
+        if _preset_key(key) == wanted:
+            return shape
+    raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+
+
+def _field(config, *names):
+    """The first of ``names`` set (not None) on a config object or dict, else None."""
+    for field in names:
+        value = config.get(field) if isinstance(config, Mapping) else getattr(config, field, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _required(config, what: str, *names) -> int:
+    value = _field(config, *names)
+    if value is None:
+        raise ValueError(f"config has no {what} (looked for {', '.join(names)})")
+    return _check_int(value, names[0], 1)
+
+
+def from_config(config, name: str | None = None) -> KVShape:
+    """Build a KVShape from a transformers config object or a config.json dict.
+
+    Reads ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` (default: the
+    attention heads), ``head_dim`` (default ``hidden_size // num_attention_heads``), the GPT-2
+    names ``n_layer``/``n_head``/``n_embd``, and DeepSeek MLA fields (``kv_lora_rank`` +
+    ``qk_rope_head_dim``). A multimodal config's ``text_config`` is used when present. ``name``
+    defaults to the config's ``_name_or_path`` or ``model_type``. Missing fields raise ValueError.
+    """
+    if config is None or isinstance(config, (str, bytes, int, float, os.PathLike)):
+        raise TypeError(f"config must be a transformers config or a dict, got {type(config).__name__}")
+    if name is None:
+        names = (_field(config, key) for key in ("_name_or_path", "name_or_path", "model_type"))
+        name = next((str(n) for n in names if n), "model")
+    text = _field(config, "text_config")
+    if text is not None:
+        config = text
+
+    layers = _required(config, "layer count", "num_hidden_layers", "n_layer", "num_layers")
+    latent = _field(config, "kv_lora_rank")
+    if latent is not None:
+        rope = _field(config, "qk_rope_head_dim")
+        if rope is None:
+            raise ValueError("MLA config has kv_lora_rank but no qk_rope_head_dim")
+        query_heads = _field(config, "num_attention_heads")
+        return KVShape.mla(str(name), layers, latent, rope, query_heads=query_heads)
+
+    query_heads = _required(config, "attention head count", "num_attention_heads", "n_head")
+    kv_heads = _field(config, "num_key_value_heads")
+    kv_heads = query_heads if kv_heads is None else _check_int(kv_heads, "num_key_value_heads", 1)
+    head_dim = _field(config, "head_dim")
+    if head_dim is None:
+        hidden = _required(config, "hidden size", "hidden_size", "n_embd")
+        if hidden % query_heads:
+            raise ValueError(f"hidden size {hidden} is not divisible by {query_heads} attention heads")
+        head_dim = hidden // query_heads
+    attention = classify_attention(query_heads, kv_heads)
+    return KVShape(str(name), layers, kv_heads, _check_int(head_dim, "head_dim", 1), attention,
+                   query_heads=query_heads)
+
+
+def from_model_dir(path: str | os.PathLike) -> KVShape:
+    """KVShape of a local Hugging Face model directory (its config.json) or of a config.json file,
+    named after the directory. Raises ValueError when the file is missing or is not JSON."""
+    path = Path(path)
+    config_file = path if path.is_file() else path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"no config.json at {path}")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} does not hold a JSON object")
+    return from_config(config, name=config_file.resolve().parent.name)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units: "512 B", "128 KiB", "1.5 GiB" (at most two decimals)."""
+    _check_int(n, "byte count", 0)
+    value, unit = float(n), _UNITS[0]
+    for unit in _UNITS:
+        if value < _KIB or unit == _UNITS[-1]:
+            break
+        value /= _KIB
+    if unit == "B":
+        return f"{n} B"
+    return f"{value:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+
+
+def kv_size_table(shapes: Iterable[KVShape] | KVShape, context: int, sequences: int = 1,
+                  dtypes: Iterable[str] | str = ("bf16", "fp16", "fp8")) -> list[dict]:
+    """One row per (shape, dtype): name, attention, layers, kv_heads, head_dim, dtype, context,
+    sequences, bytes_per_token, bytes_per_sequence and bytes_total (all ints)."""
+    shapes = [shapes] if isinstance(shapes, KVShape) else list(shapes)
+    dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
+    _check_int(context, "context", 0)
+    _check_int(sequences, "sequences", 0)
+    rows = []
+    for shape in shapes:
+        if not isinstance(shape, KVShape):
+            raise TypeError(f"shapes must be KVShape objects, got {type(shape).__name__}")
+        for dtype in dtypes:
+            rows.append({
+                "name": shape.name,
+                "attention": shape.attention,
+                "layers": shape.layers,
+                "kv_heads": shape.kv_heads,
+                "head_dim": shape.head_dim,
+                "dtype": dtype.lower() if isinstance(dtype, str) else dtype,
+                "context": context,
+                "sequences": sequences,
+                "bytes_per_token": shape.bytes_per_token(dtype),
+                "bytes_per_sequence": shape.bytes_per_sequence(context, dtype),
+                "bytes_total": shape.bytes_for(sequences, context, dtype),
+            })
+    return rows
+
+
+_COLUMNS = (
+    ("model", lambda r: r["name"], "<"),
+    ("attn", lambda r: r["attention"], "<"),
+    ("layers", lambda r: str(r["layers"]), ">"),
+    ("kv heads", lambda r: str(r["kv_heads"]), ">"),
+    ("head dim", lambda r: str(r["head_dim"]), ">"),
+    ("dtype", lambda r: r["dtype"], "<"),
+    ("B/token", lambda r: f"{r['bytes_per_token']:,}", ">"),
+    ("per token", lambda r: format_bytes(r["bytes_per_token"]), ">"),
+    ("per sequence", lambda r: format_bytes(r["bytes_per_sequence"]), ">"),
+    ("all sequences", lambda r: format_bytes(r["bytes_total"]), ">"),
+)
+
+
+def render_kv_table(rows: list[dict]) -> str:
+    """Rows from ``kv_size_table`` as an aligned plain-text table (header, rule, one line per row)."""
+    cells = [[name for name, _, _ in _COLUMNS]]
+    cells += [[cell(row) for _, cell, _ in _COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
+    aligns = [align for _, _, align in _COLUMNS]
+
+    def line(values):
+        return "  ".join(f"{v:{a}{w}}" for v, a, w in zip(values, aligns, widths)).rstrip()
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(values) for values in cells[1:]]
+    return "\n".join(out)

@@ -1,0 +1,98 @@
+"""The ``radixcache`` command line."""
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from radixcache.cli import main
+from radixcache.sizing import PRESETS
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr().out
+    return code, out
+
+
+def table_lines(out):
+    """The data lines of the printed table (after the title, header and rule)."""
+    return out.splitlines()[3:]
+
+
+def test_kv_size_single_preset_default_dtypes(capsys):
+    code, out = run_cli(capsys, "kv-size", "--preset", "llama-3-8b")
+    assert code == 0
+    assert "8,192 tokens" in out
+    lines = table_lines(out)
+    assert [line.split()[5] for line in lines] == ["bf16", "fp16", "fp8"]
+    bf16 = lines[0]
+    assert "Llama-3-8B" in bf16 and "GQA" in bf16 and "131,072" in bf16 and "128 KiB" in bf16
+    assert bf16.split()[-2:] == ["1", "GiB"]  # 8,192 tokens x 128 KiB, one sequence
+    assert "64 KiB" in lines[2]
+
+
+def test_kv_size_defaults_to_every_preset_with_attention_kinds(capsys):
+    code, out = run_cli(capsys, "kv-size")
+    assert code == 0
+    for name in PRESETS:
+        assert name in out
+    for kind in ("MHA", "GQA", "MQA", "MLA"):
+        assert kind in out
+    assert len(table_lines(out)) == 3 * len(PRESETS)
+
+
+def test_kv_size_context_sequences_and_repeated_options(capsys):
+    code, out = run_cli(capsys, "kv-size", "--preset", "LLaMA-7B", "--preset", "Mistral-7B",
+                        "--context", "2048", "--sequences", "4", "--dtype", "fp16")
+    assert code == 0
+    llama, mistral = table_lines(out)
+    assert "MHA" in llama and "524,288" in llama
+    assert llama.split()[-4:] == ["1", "GiB", "4", "GiB"]
+    assert mistral.split()[-4:] == ["256", "MiB", "1", "GiB"]
+
+
+def test_kv_size_model_dir(tmp_path, capsys):
+    model_dir = tmp_path / "tiny-llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}))
+    code, out = run_cli(capsys, "kv-size", "--model", str(model_dir), "--dtype", "fp32")
+    assert code == 0
+    (line,) = table_lines(out)
+    assert line.startswith("tiny-llama") and "GQA" in line and f"{2 * 2 * 2 * 16 * 4:,}" in line
+
+
+@pytest.mark.parametrize("argv", [
+    ["kv-size", "--preset", "no-such-model"],
+    ["kv-size", "--dtype", "int4"],
+    ["kv-size", "--context", "0"],
+    ["kv-size", "--sequences", "many"],
+    ["kv-size", "--model", "/nonexistent/model/dir"],
+    [],
+])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_demo_passes_model_turns_and_out(monkeypatch):
+    seen = []
+    fake = types.ModuleType("radixcache.demo")
+    fake.main = lambda args: seen.append(args) or 0
+    monkeypatch.setitem(sys.modules, "radixcache.demo", fake)
+    assert main(["demo"]) == 0
+    assert (seen[0].model, seen[0].turns, seen[0].out) == (None, 6, "out/")
+    assert main(["demo", "--model", "/m", "--turns", "2", "--out", "o"]) == 0
+    assert (seen[1].model, seen[1].turns, seen[1].out) == ("/m", 2, "o")
+
+
+def test_module_entry_point_runs_in_a_subprocess():
+    result = subprocess.run([sys.executable, "-m", "radixcache.cli", "kv-size", "--preset", "llama-3-8b"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Llama-3-8B" in result.stdout and "131,072" in result.stdout and "128 KiB" in result.stdout
