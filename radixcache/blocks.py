@@ -78,6 +78,22 @@ class BlockAllocator:
             if counts[block] == 0:
                 self._free.append(block)
 
+    def check_held(self, blocks: Iterable[int], what: str) -> None:
+        """Raise ``CacheError`` unless every id is in range and in use (count >= 1)."""
+        counts = self._counts
+        n = len(counts)
+        for block in blocks:
+            if not 0 <= block < n:
+                raise CacheError(f"{what}: block id {block} is outside 0..{n - 1}")
+            if counts[block] == 0:
+                raise CacheError(f"{what}: block {block} is free; the caller must hold its blocks")
+
+    def retain_checked(self, blocks: Iterable[int]) -> None:
+        """``retain`` for ids already validated by ``check_held`` (the hot path of tree inserts)."""
+        counts = self._counts
+        for block in blocks:
+            counts[block] += 1
+
     def refcount(self, block: int) -> int:
         """The reference count of ``block`` (0 when free)."""
         return self._counts[self._ids([block], "refcount")[0]]

@@ -34,8 +34,8 @@ class Node:
     keeps the deeper part, so it still ends at the same depth), truncated or evicted.
     """
 
-    __slots__ = ("parent", "children", "key", "blocks", "lock_ref", "last_access", "serial",
-                 "namespace", "alive")
+    __slots__ = ("parent", "children", "key", "blocks", "lock_ref", "own_locks", "last_access",
+                 "serial", "namespace", "alive")
 
     def __init__(self, parent: Node | None, key: tuple, blocks: tuple, namespace: Namespace,
                  serial: int):
@@ -43,7 +43,8 @@ class Node:
         self.children: dict[tuple, Node] = {}
         self.key = key
         self.blocks = blocks
-        self.lock_ref = 0
+        self.lock_ref = 0  # locks on this node or below it (the path count)
+        self.own_locks = 0  # lock() calls on exactly this node
         self.last_access = 0
         self.serial = serial
         self.namespace = namespace
@@ -94,6 +95,12 @@ class CacheStats:
 def as_token_tuple(tokens: Sequence[int]) -> tuple:
     """Validate ``tokens`` (non-negative ints; a list, tuple, array, numpy array or 1-D tensor) and
     return them as a tuple of ints. Raises ``TypeError`` for non-integers, ``ValueError`` for negatives."""
+    if type(tokens) is list or type(tokens) is tuple:
+        try:
+            array("Q", tokens)  # C-speed check: every item an int in 0 .. 2**64-1
+            return tuple(tokens)
+        except (TypeError, OverflowError):
+            pass  # fall through for the precise error
     if hasattr(tokens, "tolist") and not isinstance(tokens, array):
         if getattr(tokens, "ndim", 1) != 1:
             raise ValueError(f"tokens must be one-dimensional, got shape {tuple(tokens.shape)}")
@@ -263,6 +270,22 @@ class RadixCache:
         self.stats.hit_tokens += length
         return Match(length, tuple(blocks), node)
 
+    def peek(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
+        """Length of the longest cached block-aligned prefix of ``tokens``, with no side effect at all
+        (no split, no recency refresh, no stats): for schedulers that rank waiting requests."""
+        tokens = as_token_tuple(tokens)
+        bs = self.block_size
+        node = self._roots.get(_check_namespace(namespace))
+        pos, end = 0, len(tokens) // bs * bs
+        while node is not None and pos < end:
+            child = node.children.get(tokens[pos:pos + bs])
+            if child is None:
+                break
+            k = self._matched_blocks(child.key, tokens, pos)
+            pos += k * bs
+            node = child if k == len(child.blocks) else None
+        return pos
+
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], namespace: Namespace = ()) -> int:
         """Put the whole blocks of ``tokens`` into the tree; return how many leading tokens were cached.
 
@@ -284,12 +307,7 @@ class RadixCache:
                              f"{bs}, got {len(blocks)} block ids")
         if len(set(blocks)) != len(blocks):
             raise CacheError("insert: the same block id appears twice")
-        nb = self.allocator.num_blocks
-        for b in blocks:
-            if not 0 <= b < nb:
-                raise CacheError(f"insert: block id {b} is outside 0..{nb - 1}")
-            if self.allocator.refcount(b) == 0:
-                raise CacheError(f"insert: block {b} is free; the caller must hold its blocks")
+        self.allocator.check_held(blocks, "insert")
         tokens = tokens[:nblocks * bs]
         node, cached, _ = self._walk(tokens, namespace)
         first_new = cached // bs
@@ -301,7 +319,7 @@ class RadixCache:
             self._lru_discard(node)
             child = Node(node, tokens[cached:], adopted, namespace, next(self._serials))
             node.children[tokens[cached:cached + bs]] = child
-            self.allocator.retain(adopted)
+            self.allocator.retain_checked(adopted)
             for b in adopted:
                 self._in_tree[b] = 1
             self._cached_blocks += len(adopted)
@@ -316,6 +334,7 @@ class RadixCache:
         Locks nest."""
         self._check_node(node, "lock")
         self._lru_discard(node)
+        node.own_locks += 1
         while node is not None:
             if node.lock_ref == 0 and node.parent is not None:
                 self._pinned_blocks += len(node.blocks)
@@ -325,8 +344,9 @@ class RadixCache:
     def unlock(self, node: Node) -> None:
         """Undo one ``lock(node)``. Raises ``CacheError`` if ``node`` is not locked."""
         self._check_node(node, "unlock")
-        if node.lock_ref <= 0:
-            raise CacheError("unlock: node is not locked")
+        if node.own_locks <= 0:
+            raise CacheError("unlock: node is not locked (lock() was not called on it)")
+        node.own_locks -= 1
         leaf = node
         while node is not None:
             node.lock_ref -= 1
@@ -403,15 +423,15 @@ class RadixCache:
         evictable_leaves = set()
         for ns, root in self._roots.items():
             assert root.parent is None and root.alive and root.namespace == ns, "bad namespace root"
-            assert root.lock_ref >= sum(c.lock_ref for c in root.children.values()), \
-                "root lock count below its children's"
+            assert root.lock_ref == root.own_locks + sum(c.lock_ref for c in root.children.values()), \
+                "root lock count is not own locks + children's"
         for node in self.nodes():
             assert node.alive, f"dead node {node} still linked"
             assert len(node.key) == len(node.blocks) * bs > 0, f"{node}: key/blocks length mismatch"
             assert node.parent.children.get(node.key[:bs]) is node, f"{node}: wrong child key"
             assert node.namespace == node.parent.namespace, f"{node}: crosses namespaces"
-            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), \
-                f"{node}: lock count below its children's"
+            assert node.lock_ref == node.own_locks + sum(c.lock_ref for c in node.children.values()), \
+                f"{node}: path lock count is not own locks + children's"
             assert node.last_access >= max((c.last_access for c in node.children.values()),
                                            default=0), f"{node}: older than a child"
             for b in node.blocks:
