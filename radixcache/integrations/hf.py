@@ -5,9 +5,11 @@ One call of ``CachedLM.generate``:
 1. check the inputs (nothing changes on bad input);
 2. per batch row, match the row's tokens minus the last one in the radix tree, pin the match, and
    reserve blocks for the rest of the prompt and ``max_new_tokens`` (evicting LRU leaves if short);
-3. prefill each row's uncached suffix (all but its last token) over a ``PagedCache``;
-4. run transformers' own ``generate`` over a ``PagedCache`` that claims every prompt column but
-   the last, so generation (sampling, streamers, processors, stopping) is transformers' own;
+3. bring every row's K/V up to the same column (the longest cached one) with a suffix prefill over
+   a ``PagedCache`` (nothing to do for a single row);
+4. run transformers' own ``generate`` over a ``PagedCache`` that claims those columns, so the rest of
+   the prompt and the whole generation (sampling, streamers, processors, stopping) are transformers'
+   own and a single cached prompt costs exactly one forward over its uncached suffix;
 5. insert every token whose K/V was computed into the tree, unpin, release.
 
 Anything this path cannot serve exactly (beam search, assisted decoding, right padding, models whose
@@ -180,10 +182,12 @@ class CachedLM:
         rows = [_Row(ids[r, pad:].tolist(), pad) for r, pad in enumerate(self._pads(mask))]
         self._acquire(rows, namespace, max_new)
         try:
+            # generate() computes columns `filled`.. of every row; each row first catches up to it
+            filled = max(row.pad + row.cached for row in rows)
             for row in rows:
-                self._prefill(row)
+                self._prefill(row, filled - row.pad)
             k_rows = self._batch_rows(rows, ids.shape[1] + max_new)
-            cache = PagedCache(self.pool, k_rows, ids.shape[1] - 1)
+            cache = PagedCache(self.pool, k_rows, filled)
             with torch.no_grad():
                 out = self.model.generate(input_ids=ids, attention_mask=mask, cache=cache,
                                           **kwargs)
@@ -337,9 +341,8 @@ class CachedLM:
             c["hit_tokens"] += sum(r.cached for r in rows)
             c["computed_prompt_tokens"] += sum(len(r.tokens) - r.cached for r in rows)
 
-    def _prefill(self, row: _Row) -> None:
-        """Compute K/V of the row's uncached prompt tokens except the last (generate does that one)."""
-        n = len(row.tokens) - 1
+    def _prefill(self, row: _Row, n: int) -> None:
+        """Compute K/V of the row's prompt tokens ``row.cached .. n-1`` (the rest is generate's)."""
         if n <= row.cached:
             return
         rows = self.pool.rows_for(row.blocks, 0, n)[None]
