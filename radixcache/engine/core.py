@@ -282,9 +282,10 @@ class Engine:
         need = math.ceil(len(seq.tokens) / self.bs) - len(m.blocks)
         if seq.fork > 1:
             need += seq.fork - 1  # copies of a partially filled last block
+        self.tree.lock(m.node)  # before counting: the match itself must not count as evictable
         if need > self.allocator.num_free + self.tree.evictable_blocks:
+            self.tree.unlock(m.node)
             return False
-        self.tree.lock(m.node)
         self.allocator.retain(m.blocks)
         short = need - self.allocator.num_free
         if short > 0:
