@@ -59,13 +59,71 @@ class TorchBackend:
                              v.transpose(0, 1)[None], mask, scale, softcap)
             out[seg.q_start:seg.q_start + seg.q_len] = o[0].transpose(0, 1)
         if plan.decode_q.numel():
-            s, width = plan.decode_rows.shape
-            k, v = pool.read(layer, plan.decode_rows.reshape(-1))
-            k = k.view(s, width, *k.shape[1:]).transpose(1, 2)
-            v = v.view(s, width, *v.shape[1:]).transpose(1, 2)
-            q = query[plan.decode_q][:, :, None]  # [S, H, 1, d]
-            mask = causal_mask((plan.decode_lens - 1)[:, None], plan.decode_lens, width,
-                               sliding_window)[:, None]
-            o = attend_dense(q, k, v, mask, scale, softcap)
-            out[plan.decode_q] = o[:, :, 0]
+            q = query[plan.decode_q]
+            window_cuts = sliding_window and sliding_window < int(plan.decode_lens.max())
+            if plan.shared_len and not softcap and not window_cuts:
+                out[plan.decode_q] = self._cascade_decode(layer, q, plan, scale)
+            else:
+                out[plan.decode_q] = self._dense_decode(layer, q, plan, scale, sliding_window, softcap)
         return out
+
+    @staticmethod
+    def _dense_decode(layer, q, plan, scale, sliding_window, softcap) -> torch.Tensor:
+        """Every decode query against its whole context, gathered per sequence."""
+        pool = plan.pool
+        s, width = plan.decode_rows.shape
+        rows = plan.decode_rows
+        if plan.shared_len:
+            rows = torch.cat([plan.shared_rows.expand(s, -1), rows], dim=1)
+            width += plan.shared_len
+        k, v = pool.read(layer, rows.reshape(-1))
+        k = k.view(s, width, *k.shape[1:]).transpose(1, 2)
+        v = v.view(s, width, *v.shape[1:]).transpose(1, 2)
+        mask = causal_mask((plan.decode_lens - 1)[:, None], plan.decode_lens, width,
+                           sliding_window)[:, None]
+        return attend_dense(q[:, :, None], k, v, mask, scale, softcap)[:, :, 0]
+
+    @staticmethod
+    def _cascade_decode(layer, q, plan, scale) -> torch.Tensor:
+        """Decode queries against the shared prefix (read once for all of them) and against each
+        one's own tail, merged by log-sum-exp: the K/V of a shared system prompt is read once per
+        layer instead of once per sequence."""
+        pool = plan.pool
+        s, heads, dim = q.shape
+        kv_heads = pool.num_kv_heads
+        groups = heads // kv_heads
+        # shared part: all S*groups queries of a KV head in one matmul
+        kp, vp = pool.read(layer, plan.shared_rows)  # [Lp, Hkv, d]
+        qg = q.float().view(s, kv_heads, groups, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
+        out_p, lse_p = _softmax_attend(qg, kp.float().transpose(0, 1), vp.float().transpose(0, 1),
+                                       None, scale)
+        out_p = out_p.view(kv_heads, s, groups, dim).permute(1, 0, 2, 3).reshape(s, heads, dim)
+        lse_p = lse_p.view(kv_heads, s, groups).permute(1, 0, 2).reshape(s, heads)
+        # own tails
+        width = plan.decode_rows.shape[1]
+        k, v = pool.read(layer, plan.decode_rows.reshape(-1))
+        k = k.float().view(s, width, kv_heads, dim).transpose(1, 2)  # [S, Hkv, W, d]
+        v = v.float().view(s, width, kv_heads, dim).transpose(1, 2)
+        valid = torch.arange(width, device=q.device) < (plan.decode_lens - plan.shared_len)[:, None]
+        qs = q.float().view(s, kv_heads, groups, dim)
+        out_s, lse_s = _softmax_attend(qs, k, v, valid[:, None, None, :], scale)
+        out_s, lse_s = out_s.reshape(s, heads, dim), lse_s.reshape(s, heads)
+        lse = torch.logaddexp(lse_p, lse_s)
+        merged = out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
+        return merged.to(q.dtype)
+
+
+def _softmax_attend(q, k, v, valid, scale):
+    """``softmax(q k^T * scale) v`` and its log-sum-exp, with ``valid`` (bool, broadcastable to the
+    scores) masking keys; rows with no valid key give output 0 and lse -inf."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if valid is not None:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    weights = torch.exp(scores - peak)
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.matmul(weights, v) / total.clamp_min(1e-30)
+    lse = torch.where(total > 0, peak + torch.log(total.clamp_min(1e-30)),
+                      torch.full_like(total, float("-inf")))
+    return out, lse[..., 0]

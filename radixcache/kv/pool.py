@@ -111,6 +111,8 @@ class KVPool:
         values = flat.index_select(0, k_rows + self.block_size)
         if self.quantized:
             return self._dequantize(layer, 0, keys), self._dequantize(layer, 1, values)
+        if self.storage_dtype != self.dtype:
+            return keys.to(self.dtype), values.to(self.dtype)
         return keys, values
 
     def copy_block(self, src: int, dst: int) -> None:
