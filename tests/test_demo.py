@@ -1,0 +1,103 @@
+"""The ``radixcache demo`` agent loop (on a tiny local model) and the runnable examples (slow)."""
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from radixcache import demo
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+          " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>"]  # <|im_end|> is id 2: eos and pad
+
+
+def byte_tokenizer(chat_template):
+    """A byte-level tokenizer with no merges (every byte is one token), built without any download."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate(SPECIALS + alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                           eos_token="<|im_end|>", pad_token="<|im_end|>",
+                                           additional_special_tokens=["<|im_start|>"])
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+@pytest.fixture(params=["chat-template", "plain-text"])
+def tiny_model_dir(request, tmp_path):
+    tokenizer = byte_tokenizer(CHATML if request.param == "chat-template" else None)
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=4096, initializer_range=0.2,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    path = tmp_path / "tiny-llama"
+    tf.LlamaForCausalLM(config).eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, request.param
+
+
+def test_demo_runs_on_a_tiny_local_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    path, kind = tiny_model_dir
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # leave torch threads be
+    out_dir = tmp_path / "out"
+    args = argparse.Namespace(model=str(path), turns=3, out=str(out_dir), system_tokens=120,
+                              max_new_tokens=6)
+    assert demo.main(args) == 0
+    printed = capsys.readouterr().out
+    expected = "the chat template" if kind == "chat-template" else "plain text (no chat template)"
+    assert expected in printed
+    lines = printed.splitlines()
+    header = next(i for i, line in enumerate(lines) if "prompt tok" in line)
+    for column in ("prompt tok", "cached tok", "TTFT plain ms", "TTFT cached ms", "speedup", "identical"):
+        assert column in lines[header]
+    rows = [line.split() for line in lines[header + 2:header + 5]]
+    assert [row[0] for row in rows] == ["1", "2", "3"]
+    assert all(row[-1] == "yes" for row in rows)
+    cached = [int(row[2].replace(",", "")) for row in rows]
+    prompts = [int(row[1].replace(",", "")) for row in rows]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])  # turns 2+ reuse the earlier turns
+    assert all(c <= p for c, p in zip(cached, prompts)) and prompts == sorted(prompts)
+    total = lines[header + 6].split()
+    assert total[0] == "total" and total[-1] == "3/3"
+    assert "streamer" in printed  # the footer says how TTFT is measured
+    plot = out_dir / demo.PLOT_NAME
+    assert f"plot written to {plot}" in printed
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prompts_only_ever_grow_by_appending():
+    tokenizer = byte_tokenizer(CHATML)
+    convo = demo.Conversation(tokenizer, "system text", {2})
+    assert convo.chat and convo.tool_role == "tool"
+    first = convo.first_prompt("hi")
+    reply = tokenizer("ok", add_special_tokens=False)["input_ids"]
+    for ended in (False, True):
+        generated = reply + [2] if ended else reply
+        second = convo.next_prompt(first, generated, "RESULT", "next")
+        assert second[:len(first) + len(generated)] == first + generated
+        text = tokenizer.decode(second)
+        assert text.endswith("ok<|im_end|>\n<|im_start|>tool\nRESULT<|im_end|>\n"
+                             "<|im_start|>user\nnext<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["agent_loop.py", "multi_turn_chat.py"])
+def test_examples_run_as_is(script):
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hit rate:" in result.stdout
