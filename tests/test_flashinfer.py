@@ -1,0 +1,175 @@
+"""The FlashInfer backend against the torch reference, on random pools and through the engine.
+
+GPU only: the whole module is skipped without flashinfer-python or without CUDA. The first run
+JIT-compiles one FlashInfer module per (dtype, head_dim, window/soft-cap) configuration (a minute or
+two each); the window/soft-cap and fp8 variants add two more modules, so they only run with
+``RADIXCACHE_GPU_VARIANTS=1`` (benchmarks/gpu_check.sh runs them last).
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+flashinfer = pytest.importorskip("flashinfer")
+if not torch.cuda.is_available():
+    pytest.skip("the FlashInfer backend needs a CUDA device", allow_module_level=True)
+
+import transformers  # noqa: E402
+
+import radixcache  # noqa: E402
+from radixcache.attention import Segment, StepPlan  # noqa: E402
+from radixcache.attention.flashinfer_backend import FlashInferBackend  # noqa: E402
+from radixcache.attention.torch_backend import TorchBackend  # noqa: E402
+from radixcache.kv.pool import KVPool  # noqa: E402
+
+DEVICE = torch.device("cuda")
+DTYPE = torch.bfloat16
+BLOCK = 16
+Q_HEADS, KV_HEADS = 8, 2  # GQA: 4 query heads per KV head
+ATOL, RTOL = 1e-2, 5e-2
+NUM_BLOCKS = 64
+LAYERS = 3
+variants = pytest.mark.skipif(os.environ.get("RADIXCACHE_GPU_VARIANTS") != "1",
+                              reason="compiles two more FlashInfer modules: set RADIXCACHE_GPU_VARIANTS=1")
+
+
+@pytest.fixture(scope="module")
+def fi_backend():
+    return FlashInferBackend(DEVICE)
+
+
+def random_pool(head_dim: int, seed: int, kv_dtype=None) -> KVPool:
+    """A pool whose every block holds random K/V (written through ``KVPool.write``, so fp8 pools
+    get their scales); the null block stays zero."""
+    pool = KVPool(LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, head_dim, dtype=DTYPE, device=DEVICE,
+                  kv_dtype=kv_dtype)
+    gen = torch.Generator().manual_seed(seed)
+    rows = pool.rows_for(list(range(NUM_BLOCKS)), 0, NUM_BLOCKS * BLOCK)
+    for layer in range(LAYERS):
+        k, v = (torch.randn(NUM_BLOCKS * BLOCK, KV_HEADS, head_dim, generator=gen).to(DEVICE, DTYPE)
+                for _ in range(2))
+        pool.write(layer, rows, k, v)
+    return pool
+
+
+def build_segments(specs, seed: int) -> list[Segment]:
+    """``specs``: (q_len, kv_len, shared) per sequence; ``shared`` leading blocks are the same
+    block ids for every sequence that asks for them (a cached common prefix). Each sequence gets
+    one spare block past what ``kv_len`` needs (the engine allocates ahead), block ids shuffled."""
+    rng = random.Random(seed)
+    ids = list(range(NUM_BLOCKS))
+    rng.shuffle(ids)
+    common = [ids.pop() for _ in range(max(s for _, _, s in specs))]
+    segments, start = [], 0
+    for q_len, kv_len, shared in specs:
+        pages = -(-kv_len // BLOCK)
+        blocks = common[:shared] + [ids.pop() for _ in range(pages - shared + 1)]
+        segments.append(Segment(start, q_len, kv_len, tuple(blocks)))
+        start += q_len
+    return segments
+
+
+# (q_len, kv_len, shared prefix blocks): fresh prefills, suffixes over a shared cached prefix,
+# decodes over the same prefix, a full last page, a one-token sequence, a short chunk of a long one
+MIXED = [(37, 37, 0), (20, 68, 3), (1, 53, 3), (16, 64, 3), (1, 1, 0), (1, 16, 0), (5, 130, 0)]
+DECODES = [(1, 53, 3), (1, 48, 3), (1, 1, 0), (1, 16, 0), (1, 17, 0), (1, 130, 0), (1, 90, 3)]
+
+
+def check_step(fi, pool, segments, *, scale, sliding_window=None, softcap=None, seed=0):
+    """Every layer's FlashInfer output equals the torch reference's; one wrapper plan for the step."""
+    fi_plan = StepPlan(pool, segments, fi)
+    ref_plan = StepPlan(pool, segments, TorchBackend())
+    tokens = sum(s.q_len for s in segments)
+    gen = torch.Generator().manual_seed(seed)
+    before = fi.plan_calls
+    for layer in range(pool.num_layers):
+        q = torch.randn(tokens, Q_HEADS, pool.head_dim, generator=gen).to(DEVICE, DTYPE)
+        got = fi.attend(layer, q, fi_plan, scale, sliding_window=sliding_window, softcap=softcap)
+        want = TorchBackend().attend(layer, q, ref_plan, scale, sliding_window=sliding_window,
+                                     softcap=softcap)
+        assert got.shape == q.shape and got.dtype == q.dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
+    assert fi.plan_calls == before + 1, "the step must be planned once, not once per layer"
+    return fi_plan
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mixed_prefill_and_decode_step_matches_torch(fi_backend, head_dim):
+    pool = random_pool(head_dim, seed=head_dim)
+    plan = check_step(fi_backend, pool, build_segments(MIXED, seed=1), scale=0.7 * head_dim ** -0.5)
+    assert not plan.backend_state.decode  # went through the prefill wrapper
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pure_decode_step_matches_torch(fi_backend, head_dim):
+    pool = random_pool(head_dim, seed=head_dim + 1)
+    plan = check_step(fi_backend, pool, build_segments(DECODES, seed=2), scale=head_dim ** -0.5)
+    assert plan.backend_state.decode  # went through the decode wrapper
+
+
+def test_interleaved_steps_replan(fi_backend):
+    """Two live steps on one backend: each attend runs on its own step's page table."""
+    pool = random_pool(64, seed=7)
+    steps = [build_segments(MIXED, seed=3), build_segments(MIXED[::-1], seed=4)]
+    fi_plans = [StepPlan(pool, s, fi_backend) for s in steps]
+    ref_plans = [StepPlan(pool, s, TorchBackend()) for s in steps]
+    gen = torch.Generator().manual_seed(5)
+    for i in [0, 1, 0, 1]:
+        tokens = sum(s.q_len for s in steps[i])
+        q = torch.randn(tokens, Q_HEADS, 64, generator=gen).to(DEVICE, DTYPE)
+        got = fi_backend.attend(0, q, fi_plans[i], 0.125)
+        want = TorchBackend().attend(0, q, ref_plans[i], 0.125)
+        torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
+
+
+@variants
+@pytest.mark.parametrize("specs", [MIXED, DECODES], ids=["mixed", "decode"])
+def test_sliding_window_and_softcap_match_torch(fi_backend, specs):
+    pool = random_pool(64, seed=11)
+    check_step(fi_backend, pool, build_segments(specs, seed=6), scale=0.125, sliding_window=24,
+               softcap=5.0)
+
+
+@variants
+@pytest.mark.parametrize("specs", [MIXED, DECODES], ids=["mixed", "decode"])
+def test_fp8_pool_matches_torch(fi_backend, specs):
+    pool = random_pool(128, seed=12, kv_dtype="fp8")
+    assert pool.quantized and float(pool.scales.min()) > 0
+    check_step(fi_backend, pool, build_segments(specs, seed=8), scale=128 ** -0.5)
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024,
+                                      num_hidden_layers=2, num_attention_heads=Q_HEADS,
+                                      num_key_value_heads=KV_HEADS, max_position_embeddings=1024,
+                                      initializer_range=0.2)  # head_dim 64; peaked logits
+    model = transformers.LlamaForCausalLM(config).to(DEVICE, DTYPE).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_engine_greedy_tokens_match_torch_backend():
+    model = tiny_llama()
+    rng = random.Random(0)
+    prefix = [rng.randrange(1, 512) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(1, 512) for _ in range(n)] for n in (3, 10, 17, 30, 45, 60)]
+    prompts += [[rng.randrange(1, 512) for _ in range(n)] for n in (1, 5, 21)]
+    prompts.append(list(prompts[2]))  # a duplicate: fully cached but for its last token
+    outputs = {}
+    for attention in ("torch", "flashinfer"):
+        lm = radixcache.wrap(model, attention=attention, max_cache_tokens=4096)
+        outputs[attention] = lm.generate_batch(prompts, max_new_tokens=8)
+        assert lm._engine.backend.name == attention
+        assert not lm.cache.leaks()
+        lm.clear()
+        assert lm.allocator.num_free == lm.allocator.num_blocks, "leaked blocks"
+    ref, got = outputs["torch"], outputs["flashinfer"]
+    assert all(len(o[0]) == 8 for o in ref + got)
+    pairs = [(a, b) for r, g in zip(ref, got) for a, b in zip(r[0], g[0])]
+    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    assert agreement >= 0.9, f"only {agreement:.0%} of greedy tokens agree"
