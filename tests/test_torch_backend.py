@@ -77,7 +77,7 @@ def test_shared_prefix_takes_the_cascade_path():
     """Several decodes over one shared prefix: the plan reads the prefix once (cascade)."""
     pool, segments, query = build(1, 4, [3, 5, 1, 8], [])
     plan = check(pool, segments, query)
-    assert plan.shared_len == 16 and plan.decode_rows.shape == (4, 8)
+    assert plan.backend_state.shared_len == 16 and plan.backend_state.decode_rows.shape == (4, 8)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])

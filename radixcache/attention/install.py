@@ -15,15 +15,20 @@ from radixcache.errors import CacheError
 PREFIX = "radixcache_paged_"
 
 
-def resolve_backend(name: str, device: torch.device):
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                    storage_dtype: torch.dtype | None = None):
     """The attention backend for ``name`` ("auto", "torch" or "flashinfer") on ``device``.
 
-    "auto" picks FlashInfer on CUDA when it is installed, the torch reference otherwise.
+    "auto" picks FlashInfer on CUDA when it is installed and can serve the model's dtype (fp16 or
+    bf16 compute, a pool of the same dtype or fp8), the torch reference otherwise.
     """
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"attention must be 'auto', 'torch' or 'flashinfer', got {name!r}")
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
-    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and has_flashinfer):
+    half = (torch.float16, torch.bfloat16)
+    servable = dtype in half and storage_dtype in (dtype, torch.float8_e4m3fn)
+    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and has_flashinfer
+                                and servable):
         if device.type != "cuda":
             raise CacheError("attention='flashinfer' needs the model on a CUDA device")
         if not has_flashinfer:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixcache.attention.plan import StepPlan
+from radixcache.attention.plan import StepPlan, shared_blocks
 
 
 def causal_mask(q_pos: torch.Tensor, kv_len: torch.Tensor | int, width: int,
@@ -40,17 +40,52 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
                                           enable_gqa=groups > 1)
 
 
+class TorchStepState:
+    """The torch backend's gather indices for one step.
+
+    ``prefills``: (segment, K rows of its whole context) of every multi-token segment. The
+    single-token (decode) segments are served together: ``decode_q`` (their packed offsets),
+    ``decode_lens`` (their KV lengths), ``shared_rows`` (K rows of the leading whole blocks every
+    decode segment has in common, e.g. a shared system prompt, read once: cascade style) and
+    ``decode_rows`` (``[S, width]`` K rows of each one's positions after the shared part, padded with
+    the null block).
+    """
+
+    def __init__(self, step: StepPlan):
+        pool = step.pool
+        device = pool.device
+        self.prefills = [(s, pool.rows_for(s.blocks, 0, s.kv_len)) for s in step.segments
+                         if s.q_len > 1]
+        decodes = [s for s in step.segments if s.q_len == 1]
+        self.decode_q = torch.tensor([s.q_start for s in decodes], dtype=torch.long, device=device)
+        self.decode_lens = torch.tensor([s.kv_len for s in decodes], dtype=torch.long, device=device)
+        shared = shared_blocks(decodes, pool.block_size) if len(decodes) > 1 else 0
+        self.shared_len = shared * pool.block_size
+        self.shared_rows = (pool.rows_for(decodes[0].blocks, 0, self.shared_len) if shared
+                            else pool.null_rows(0))
+        width = max((s.kv_len - self.shared_len for s in decodes), default=0)
+        self.decode_rows = pool.null_rows(len(decodes) * width).view(len(decodes), width)
+        for i, s in enumerate(decodes):
+            self.decode_rows[i, :s.kv_len - self.shared_len] = pool.rows_for(
+                s.blocks, self.shared_len, s.kv_len)
+
+
 class TorchBackend:
     """Paged attention in plain torch: the reference every other backend is tested against."""
 
     name = "torch"
 
+    def plan(self, step: StepPlan) -> TorchStepState:
+        """Build the step's gather indices once; every layer reuses them."""
+        return TorchStepState(step)
+
     def attend(self, layer: int, query: torch.Tensor, plan: StepPlan, scale: float,
                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """``query [T, H, d]`` (packed new tokens) -> attention output ``[T, H, d]``."""
         pool = plan.pool
+        state = plan.backend_state
         out = torch.empty_like(query)
-        for seg, rows in plan.prefills:
+        for seg, rows in state.prefills:
             k, v = pool.read(layer, rows)
             q = query[seg.q_start:seg.q_start + seg.q_len]
             pos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=query.device)
@@ -58,19 +93,19 @@ class TorchBackend:
             o = attend_dense(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                              v.transpose(0, 1)[None], mask, scale, softcap)
             out[seg.q_start:seg.q_start + seg.q_len] = o[0].transpose(0, 1)
-        if plan.decode_q.numel():
-            q = query[plan.decode_q]
-            window_cuts = sliding_window and sliding_window < int(plan.decode_lens.max())
-            if plan.shared_len and not softcap and not window_cuts:
-                out[plan.decode_q] = self._cascade_decode(layer, q, plan, scale)
+        if state.decode_q.numel():
+            q = query[state.decode_q]
+            window_cuts = sliding_window and sliding_window < int(state.decode_lens.max())
+            if state.shared_len and not softcap and not window_cuts:
+                out[state.decode_q] = self._cascade_decode(layer, q, pool, state, scale)
             else:
-                out[plan.decode_q] = self._dense_decode(layer, q, plan, scale, sliding_window, softcap)
+                out[state.decode_q] = self._dense_decode(layer, q, pool, state, scale,
+                                                         sliding_window, softcap)
         return out
 
     @staticmethod
-    def _dense_decode(layer, q, plan, scale, sliding_window, softcap) -> torch.Tensor:
+    def _dense_decode(layer, q, pool, plan, scale, sliding_window, softcap) -> torch.Tensor:
         """Every decode query against its whole context, gathered per sequence."""
-        pool = plan.pool
         s, width = plan.decode_rows.shape
         rows = plan.decode_rows
         if plan.shared_len:
@@ -84,11 +119,10 @@ class TorchBackend:
         return attend_dense(q[:, :, None], k, v, mask, scale, softcap)[:, :, 0]
 
     @staticmethod
-    def _cascade_decode(layer, q, plan, scale) -> torch.Tensor:
+    def _cascade_decode(layer, q, pool, plan, scale) -> torch.Tensor:
         """Decode queries against the shared prefix (read once for all of them) and against each
         one's own tail, merged by log-sum-exp: the K/V of a shared system prompt is read once per
         layer instead of once per sequence."""
-        pool = plan.pool
         s, heads, dim = q.shape
         kv_heads = pool.num_kv_heads
         groups = heads // kv_heads

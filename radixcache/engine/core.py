@@ -99,7 +99,7 @@ class Engine:
         self.max_step_tokens = max_step_tokens
         self.schedule = schedule
         self.starvation_rounds = starvation_rounds
-        self.backend = resolve_backend(lm.attention, lm.device)
+        self.backend = resolve_backend(lm.attention, lm.device, lm.dtype, lm.pool.storage_dtype)
         install(lm.model)
         self.last_run = RunStats()
 
@@ -192,6 +192,7 @@ class Engine:
                 stats.steps += 1
                 stats.computed_tokens += sum(k for _, k in batch)
                 events = []
+                greedy = None if do_sample else logits.argmax(dim=-1).tolist()  # one device sync
                 with self.lm._lock:
                     row = 0
                     for seq, k in batch:
@@ -199,7 +200,7 @@ class Engine:
                         if seq.computed < len(seq.tokens):
                             self._cache_progress(seq, ns)
                             continue
-                        scores = logits[row]
+                        scores = logits[row] if do_sample else greedy[row]
                         row += 1
                         for child in self._emit(seq, scores, do_sample, temperature, top_p, eos,
                                                 running, waiting, ns, stats, start, events):
@@ -222,14 +223,15 @@ class Engine:
 
     def _emit(self, seq, scores, do_sample, temperature, top_p, eos, running, waiting, ns, stats,
               start, events) -> list[Sequence]:
-        """Choose the next token of ``seq`` (and of its forks); return the forked sequences."""
+        """Choose the next token of ``seq`` (and of its forks) from ``scores`` (its logits, or the
+        greedy token already chosen); return the forked sequences."""
         if seq.prompt_idx not in stats.ttft_s:
             stats.ttft_s[seq.prompt_idx] = time.perf_counter() - start
         children = []
         if seq.fork > 1:
             children = self._fork(seq, running, waiting, ns)
         for s in [seq, *children]:
-            token = choose(scores, do_sample, temperature, top_p, s.generator)
+            token = choose(scores, do_sample, temperature, top_p, s.generator) if do_sample else scores
             s.tokens.append(token)
             stats.generated_tokens += 1
             events.append((s.prompt_idx, s.sample_idx, token))

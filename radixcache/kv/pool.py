@@ -66,6 +66,7 @@ class KVPool:
         if self.quantized:
             self._flat = [t.view(torch.uint8) for t in self._flat]
         self.scales = torch.zeros(num_layers, 2, dtype=torch.float32, device=self.device)
+        self._scales_set = [[False, False] for _ in range(num_layers)]  # host side: no device sync
 
     @property
     def bytes_per_token(self) -> int:
@@ -122,9 +123,9 @@ class KVPool:
 
     def _quantize(self, layer: int, kv: int, x: torch.Tensor) -> torch.Tensor:
         scale = self.scales[layer, kv]
-        if float(scale) == 0.0:
-            amax = float(x.detach().abs().max()) if x.numel() else 0.0
-            scale.fill_(max(amax * FP8_HEADROOM / FP8_MAX, 1e-8))
+        if not self._scales_set[layer][kv] and x.numel():
+            scale.copy_((x.detach().abs().max().float() * FP8_HEADROOM / FP8_MAX).clamp_min(1e-8))
+            self._scales_set[layer][kv] = True
         q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.view(torch.uint8)
 
