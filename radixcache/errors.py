@@ -1,4 +1,8 @@
-"""Exceptions raised by radixcache. Every error the library raises on purpose derives from CacheError."""
+"""Exceptions raised by radixcache.
+
+Misuse of cache state (free or foreign blocks, unlocking what is not locked, running out of blocks)
+raises a ``CacheError``; arguments of the wrong type or value raise ``TypeError`` / ``ValueError``.
+"""
 
 
 class CacheError(Exception):

@@ -35,10 +35,11 @@ class Node:
     """
 
     __slots__ = ("parent", "children", "key", "blocks", "lock_ref", "own_locks", "last_access",
-                 "serial", "namespace", "alive")
+                 "serial", "namespace", "alive", "owner")
 
     def __init__(self, parent: Node | None, key: tuple, blocks: tuple, namespace: Namespace,
-                 serial: int):
+                 serial: int, owner: RadixCache | None = None):
+        self.owner = owner if parent is None else parent.owner
         self.parent = parent
         self.children: dict[tuple, Node] = {}
         self.key = key
@@ -180,7 +181,7 @@ class RadixCache:
     def _root(self, namespace: Namespace) -> Node:
         root = self._roots.get(namespace)
         if root is None:
-            root = Node(None, (), (), namespace, next(self._serials))
+            root = Node(None, (), (), namespace, next(self._serials), owner=self)
             self._roots[namespace] = root
         return root
 
@@ -358,6 +359,8 @@ class RadixCache:
     def _check_node(self, node: Node, what: str) -> None:
         if not isinstance(node, Node):
             raise TypeError(f"{what}: expected a node from match(), got {type(node).__name__}")
+        if node.owner is not self:
+            raise CacheError(f"{what}: node belongs to another RadixCache")
         if not node.alive:
             raise CacheError(f"{what}: node was evicted; lock the node a match returns right away")
 

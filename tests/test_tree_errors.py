@@ -599,3 +599,21 @@ def test_match_and_insert_refresh_recency():
     assert tree.match((5, 5)).length == 2
     assert tree.match((1, 1, 2, 2, 3, 3)).length == 2
     assert tree.evict(100) == 2 and alloc.num_free == 16
+
+
+def test_lock_of_a_node_from_another_cache_is_refused():
+    """A node handle only works with the RadixCache that returned it; nothing changes otherwise."""
+    from radixcache import BlockAllocator, CacheError, RadixCache
+
+    a, b = RadixCache(BlockAllocator(4), 2), RadixCache(BlockAllocator(4), 2)
+    blocks = a.allocator.allocate(1)
+    a.insert([1, 2], blocks)
+    a.allocator.release(blocks)
+    node = a.match([1, 2]).node
+    with pytest.raises(CacheError, match="another RadixCache"):
+        b.lock(node)
+    with pytest.raises(CacheError, match="another RadixCache"):
+        b.unlock(node)
+    assert a.pinned_blocks == b.pinned_blocks == 0
+    a.check()
+    b.check()
