@@ -209,3 +209,14 @@ def test_fp8_kv_halves_bytes_and_stays_close(model):
     assert 0 < err < 0.1
     out = fp8.generate_batch([ids[0].tolist()], max_new_tokens=4)
     assert len(out[0][0]) == 4
+
+
+def test_preempted_sequences_are_not_counted_twice_in_hit_stats(model):
+    """A resumed sequence re-matches its prompt, but the hit statistics count each prompt once."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=28 * BS)
+    prompts = [random_ids(30, 40 + i)[0].tolist() for i in range(5)]
+    lm.generate_batch(prompts, max_new_tokens=24)
+    run = lm._engine.last_run
+    assert run.preemptions > 0
+    assert run.prompt_tokens == sum(map(len, prompts))
+    assert run.hit_tokens <= run.prompt_tokens

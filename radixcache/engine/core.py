@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixcache.attention import Segment, StepPlan, install, resolve_backend
-from radixcache.engine.sampling import check_sampling, choose
+from radixcache.engine.sampling import check_sampling, draw, nucleus_probs
 from radixcache.errors import OutOfBlocks
 
 
@@ -50,6 +50,7 @@ class Sequence:
     admitted: int = -1
     passed_over: int = 0
     finished: bool = False
+    counted: bool = False  # its prompt is in the hit statistics (a resumed sequence is not counted again)
 
     @property
     def generated(self) -> list:
@@ -230,8 +231,10 @@ class Engine:
         children = []
         if seq.fork > 1:
             children = self._fork(seq, running, waiting, ns)
+        if do_sample:
+            scores = nucleus_probs(scores, temperature, top_p)
         for s in [seq, *children]:
-            token = choose(scores, do_sample, temperature, top_p, s.generator) if do_sample else scores
+            token = draw(scores, s.generator) if do_sample else scores
             s.tokens.append(token)
             stats.generated_tokens += 1
             events.append((s.prompt_idx, s.sample_idx, token))
@@ -295,8 +298,10 @@ class Engine:
         new = math.ceil(len(seq.tokens) / self.bs) - len(m.blocks)
         seq.blocks = list(m.blocks) + self.allocator.allocate(new)
         seq.node, seq.computed, seq.in_tree = m.node, m.length, len(m.blocks)
-        stats.prompt_tokens += len(seq.tokens) if seq.sample_idx == 0 else 0
-        stats.hit_tokens += m.length if seq.sample_idx == 0 else 0
+        if seq.sample_idx == 0 and not seq.counted:
+            stats.prompt_tokens += len(seq.tokens)
+            stats.hit_tokens += m.length
+            seq.counted = True
         return True
 
     # ------------------------------------------------------------------ one step

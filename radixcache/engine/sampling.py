@@ -15,16 +15,18 @@ def check_sampling(do_sample: bool, temperature: float, top_p: float) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
-def choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float,
-           generator: torch.Generator | None) -> int:
-    """One token id from ``logits [vocab]``: argmax when not sampling, else a draw from the
-    temperature-scaled distribution restricted to the smallest top-p nucleus."""
-    if not do_sample:
-        return int(logits.argmax())
+def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The temperature-scaled distribution over ``logits [vocab]`` restricted to the smallest top-p
+    nucleus (unnormalised is fine for ``draw``), on the CPU."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs
         sorted_probs[before >= top_p] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs.cpu()
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id drawn from ``probs`` with ``generator`` (each sample has its own)."""
+    return int(torch.multinomial(probs, 1, generator=generator))
