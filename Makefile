@@ -23,7 +23,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/tree_ops.py
-	@for b in agent_loop batch; do \
+	@for b in agent_loop batch fp8_drift; do \
 	  if [ -f benchmarks/$$b.py ]; then $(PY) benchmarks/$$b.py || exit 1; fi; done
 
 demo: $(STAMP)

@@ -74,13 +74,14 @@ import os
 import platform
 import random
 import re
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import fmt, median  # noqa: E402
 
 # torch and transformers are imported after --threads has been applied (see main).
 
@@ -609,11 +610,6 @@ def run_variant(name: str, cfg: Config, model, workload_args: tuple, keys, log,
 
 
 # --------------------------------------------------------------------------- summaries
-def median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def hit_call_indices(variant: dict) -> list[int]:
     """Calls on which radixcache reused a prefix (or, if it did not run, every call after the first
     of its conversation)."""
@@ -703,10 +699,6 @@ def targets(name: str, summary: dict) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- report
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def render(columns, rows, left=(0,)) -> str:
     cells = [tuple(columns)] + [tuple(r) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]

@@ -73,6 +73,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.report import fmt, median, model_label, table  # noqa: E402
+
 HEADER = "radixcache batch benchmark"
 BLOCK_SIZE = 16
 PEAK_SLACK = 1.10  # "close to the ideal": at most 10% above it
@@ -142,11 +144,6 @@ def percentile(values, q: float):
     pos = (len(values) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
-def median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 # --------------------------------------------------------------------------- systems
@@ -394,29 +391,7 @@ def run(cfg: dict, load=None, seed: int = 0, log=lambda msg: None) -> dict:
                 config=cfg, seed=seed)
 
 
-def model_label(model) -> str:
-    """'smollm2-135m-instruct (LlamaForCausalLM, torch.float32)' or the class name for unnamed models."""
-    name = Path(str(getattr(model.config, "_name_or_path", "") or "")).name
-    desc = f"{type(model).__name__}, {next(model.parameters()).dtype}"
-    return f"{name} ({desc})" if name else desc
-
-
 # --------------------------------------------------------------------------- report
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def table(header, rows, left=(0, 1)) -> str:
-    cells = [tuple(header)] + [tuple(r) for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-
-    def line(row):
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
-
-
 def render(report: dict) -> str:
     cfg = report["config"]
     rows = []
@@ -437,7 +412,7 @@ def render(report: dict) -> str:
         rows.append((mode["label"], f"plain generate, 1 at a time{subset}", fmt(pl["tok_s"], ".1f"),
                      fmt(pl["wall_s_all"], ".1f"), fmt(pl["ttft_p50"], ".2f"), fmt(pl["ttft_p95"], ".2f"),
                      "-", "-", "-", ""))
-    out = [table(COLUMNS, rows)]
+    out = [table(COLUMNS, rows, left=(0, 1))]
     out.append("")
     for mode in report["modes"]:
         if "agreement" in mode:

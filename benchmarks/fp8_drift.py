@@ -38,6 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.report import fmt, model_label, table  # noqa: E402
+
 HEADER = "radixcache fp8 KV drift benchmark"
 QUESTIONS = [
     "What is the capital of France, and what is it famous for?",
@@ -157,29 +159,7 @@ def run(cfg: dict, load=None, log=lambda msg: None) -> dict:
                 fp8_unsupported=fp8.unsupported)
 
 
-def model_label(model) -> str:
-    """'smollm2-135m-instruct (LlamaForCausalLM, torch.float32)' or the class name for unnamed models."""
-    name = Path(str(getattr(model.config, "_name_or_path", "") or "")).name
-    desc = f"{type(model).__name__}, {next(model.parameters()).dtype}"
-    return f"{name} ({desc})" if name else desc
-
-
 # --------------------------------------------------------------------------- report
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def table(header, rows, left=(0,)) -> str:
-    cells = [tuple(header)] + [tuple(r) for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-
-    def line(row):
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
-
-
 def render(report: dict) -> str:
     out = ["first-token logits vs the fp32-KV wrapper (cold: prompt prefilled; warm: prompt served from "
            "the cache)"]

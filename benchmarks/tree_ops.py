@@ -51,6 +51,8 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.report import fmt  # noqa: E402
+
 from radixcache import BlockAllocator, RadixCache  # noqa: E402
 
 VOCAB = 32_000
@@ -301,10 +303,6 @@ def rows_for(result: dict) -> list[dict]:
                      "ratio_vs_xxh3": radix / xxh if xxh else None, "target_us": target,
                      "met": None if target is None else radix <= target})
     return rows
-
-
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def render(rows: list[dict]) -> str:

@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from radixcache.blocks import BlockAllocator
-from radixcache.errors import CacheError, OutOfBlocks
+from radixcache.errors import OutOfBlocks
 from radixcache.kv.hf_cache import PagedCache
 from radixcache.kv.pool import KVPool, resolve_kv_dtype
 from radixcache.tree import RadixCache
