@@ -53,7 +53,7 @@ def floor_ttft(model, prefix: list, previous: list, new: list) -> float:
         model(input_ids=torch.tensor([prefix + previous]), cache=cache, use_cache=True,
               logits_to_keep=1)
         t0 = time.perf_counter()
-        cache.crop(len(prefix))
+        cache.crop(len(prefix) - cache.get_seq_length())  # in place; negative: drop from the end
         out = model(input_ids=torch.tensor([new]), cache=cache, use_cache=True, logits_to_keep=1)
         int(out.logits[0, -1].argmax())
         return time.perf_counter() - t0

@@ -20,8 +20,11 @@
 #      CUDA dependencies are not used by the paged wrappers), then `import flashinfer`;
 #   6. JIT-compiles the 2 FlashInfer modules the tests and the benchmark need (two builds in
 #      parallel; not fatal), then pytest -q -m gpu on the test files that carry the gpu mark
-#      (collecting all of tests/ would import dev-only dependencies such as hypothesis);
-#   7. python benchmarks/gpu_bench.py (torch vs flashinfer: tokens/s, TTFT p50, max |logit diff|);
+#      (collecting all of tests/ would import dev-only dependencies such as hypothesis): the
+#      backend against the torch reference, generate_batch AND generate (cold prompt, cached turn
+#      with a partial tail, left-padded batch) through FlashInfer against the torch backend;
+#   7. python benchmarks/gpu_bench.py (torch vs flashinfer: tokens/s, TTFT p50, a cached
+#      lm.generate turn's TTFT, max |logit diff|);
 #   8. if at least 150 s of the budget (GPU_CHECK_BUDGET_S, default 460) are left: the
 #      window/soft-cap and fp8 variant tests (RADIXCACHE_GPU_VARIANTS=1; 2 more JIT modules),
 #      else they are reported as skipped.
