@@ -120,8 +120,7 @@ class BatchRun:
         """Nothing could run: others hold the blocks this batch needs. Raise when nobody does."""
         manager = self.engine.manager
         with manager.lock:
-            everything = manager.allocator.num_free + manager.freeable_blocks()
-            if everything >= manager.allocator.num_blocks:
+            if manager.freeable_blocks() >= manager.allocator.num_blocks:
                 self.close()
                 raise OutOfBlocks("no waiting prompt of this batch fits in the KV pool even when "
                                   "empty: raise max_cache_tokens")

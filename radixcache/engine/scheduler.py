@@ -69,13 +69,14 @@ class Scheduler:
                 if blocker.request.prefill_only:
                     blocker.live.boost = min(blocker.live.boost, seq.live.priority)
                 continue
-            lease = self.manager.admit(seq.tokens, seq.live.namespace, count=not seq.resumed)
+            lease = self.manager.admit(seq.tokens, seq.live.namespace, count=False)
             first = min(len(seq.tokens) - lease.computed, self.max_step_tokens)
             if not self.manager.can_grow(lease, lease.computed + first):
-                self.manager.release(lease)  # back out fully: nothing was computed
+                self.manager.release(lease)  # back out fully: nothing computed, nothing counted
                 break
             self.manager.grow(lease, lease.computed + first)
             if not seq.resumed and seq.sample == 0:
+                self.manager.record_admission(lease, seq.prompt_len)
                 seq.live.cached_tokens = lease.cached_tokens
             seq.live.admitted = True
             seq.lease = lease
@@ -144,6 +145,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Commit what ``seq`` computed, release its lease and put it first in line again."""
         self.manager.release(seq.lease, seq.tokens)
+        self.manager.record_preemption()
         seq.lease = None
         seq.resumed = True
         seq.passed_over = self.starvation_rounds
@@ -156,7 +158,7 @@ class Scheduler:
         started = []
         for child in children:
             try:
-                child.lease = self.manager.fork(leader.lease)
+                child.lease = self.manager.fork(leader.lease, leader.tokens)
             except OutOfBlocks:
                 child.resumed = True  # re-admitted later: matches the prompt from the tree
                 self.waiting.append(child)
