@@ -88,7 +88,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import ttft_floor  # noqa: E402
-from benchmarks.agent_loop_report import (SYSTEM_NAMES, SYSTEMS, report, summarize,  # noqa: E402
+from benchmarks.agent_loop_report import (HEADER, SYSTEM_NAMES, SYSTEMS, report, summarize,  # noqa: E402
                                           targets, to_json)
 from benchmarks.agent_loop_systems import SYSTEM_CLASSES, Plain, Radix  # noqa: E402
 from benchmarks.agent_loop_workload import (FULL, QUICK, SCRIPTS, Config, Workload,  # noqa: E402
@@ -310,7 +310,12 @@ def main(argv=None, load_model=None, config: Config | None = None,
               f"workload: {workload}",
               f"machine: {machine}",
               f"run: {elapsed:.0f} s wall, {cpu:.0f} s CPU (process), model load included"]
-    report(cfg, results, header)
+    if results:
+        report(cfg, results, header)
+    else:
+        print(HEADER + ": cached-turn TTFT floor only")
+        for line in header:
+            print(line)
     if floor_rows:
         print()
         print("cached-turn TTFT through generate vs its floor (a DynamicCache holding the prefix, cropped "

@@ -198,3 +198,15 @@ def test_bad_input_is_named_and_changes_no_statistic(model, bad, kwargs, error, 
         lm.generate(bad, **kwargs)
     assert (lm.stats(), [lm.manager.allocator.refcount(b)
                          for b in range(lm.manager.allocator.num_blocks)]) == before
+
+
+def test_a_cache_of_the_callers_own_is_served_by_plain_generate(model):
+    """A DynamicCache the caller passes is theirs: plain generate serves it (one fallback)."""
+    from transformers import DynamicCache
+
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=512)
+    ids = random_ids(12, 16)
+    mine = DynamicCache(config=model.config)
+    got = lm.generate(ids, past_key_values=mine, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, plain(model, ids, max_new_tokens=3))
+    assert mine.get_seq_length() == 14 and lm.stats()["fallback_reasons"] == {"caller passed its own cache": 1}

@@ -47,7 +47,9 @@ def take_planned(key: torch.Tensor):
 
 
 class _Layer(CacheLayerMixin):
-    """Per-layer view transformers expects; all state lives in the owning cache."""
+    """Per-layer view transformers expects; all state lives in the owning cache, and every
+    operation a radixcache cache does not support (beam reordering, cropping, batch expansion,
+    row selection, reset) raises ``CacheError`` (their modes fall back to plain generate)."""
 
     is_sliding = False
     is_compileable = False
@@ -142,15 +144,18 @@ class StepCache(PlannedCache):
         self.step_plan = plan
 
     def begin_forward(self, batch: int, n: int) -> None:
+        """Use the step's plan; the forward must be the packed ``[1, num_tokens]`` it describes."""
         if batch != 1 or n != self.step_plan.num_tokens:
             raise CacheError(f"the step plans {self.step_plan.num_tokens} packed tokens, the forward "
                              f"has [{batch}, {n}]")
         self.plan = self.step_plan
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """0: a packed step has no single past length (positions come as ``position_ids``)."""
         return 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """Sizes transformers' mask builders ask for; the marked offset makes them build none."""
         return query_length, PAGED_OFFSET
 
 
@@ -197,14 +202,18 @@ class PagedCache(PlannedCache):
                              "(the cached prefix is found in the tree) or drop it")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns transformers treats as filled (every row's pads and cached tokens included)."""
         self._check()
         return self.length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """Sizes transformers' mask builders ask for; the marked offset makes them build none."""
         self._check()
         return self.length + query_length, PAGED_OFFSET
 
     def begin_forward(self, batch: int, n: int) -> None:
+        """Commit what the previous forward computed, grow every row to ``length + n`` tokens
+        (``OutOfBlocks`` when even eviction cannot), and plan the forward's segments."""
         self._check()
         if batch != len(self.rows):
             raise CacheError(f"generate runs {batch} rows, the cache holds {len(self.rows)}")

@@ -205,7 +205,7 @@ class CachedLM:
         EOS off; ``stop_token_ids`` add more ids that end a sample. ``seed`` gives each prompt the
         same samples wherever it sits in the batch. ``n`` samples per prompt share its blocks.
         ``progress=True`` shows a tqdm bar. ``engine``: an ``Engine`` from ``new_engine`` to run
-        on (default: a fresh one).
+        on (default: a fresh one); this call steps it, so no other loop may step it meanwhile.
 
         Returns a ``BatchOutput``: per prompt, ``n`` lists of generated ids (a stop token
         included), with ``cached_tokens`` per prompt and ``finish_reasons``. With ``stream=True``:

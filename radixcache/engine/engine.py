@@ -9,7 +9,9 @@ a request behind shares them at once; ``n > 1`` samples fork after the prompt.
 
 Thread safety: ``add`` and ``abort`` may be called from any thread; ``step`` runs one at a time
 (a second caller waits). An abort while no step runs releases the request's blocks at once; during
-a step, at its end. Requests added between steps join the running batch at the next one.
+a step, at its end. Requests added between steps join the running batch at the next one. Events go
+to whoever calls ``step``: one loop (e.g. the server's scheduler thread) should own the stepping
+of an engine and route events by ``request_id``.
 """
 
 from __future__ import annotations

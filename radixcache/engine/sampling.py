@@ -43,15 +43,14 @@ def choose(logits: torch.Tensor, rows: list[Row]) -> list[int]:
     penalised = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1]
     if penalised:
         scores = _repetition_penalty(scores, [rows[i] for i in penalised], penalised)
-    tokens = scores.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
-    if sampled:
-        picked = _sample(scores[sampled] if len(sampled) < len(rows) else scores,
-                         [rows[i] for i in sampled])
-        if len(sampled) == len(rows):
-            tokens = picked
-        else:
-            tokens[device_tensor(sampled, tokens.device)] = picked
+    if not sampled:
+        return scores.argmax(dim=-1).tolist()
+    if len(sampled) == len(rows):
+        return _sample(scores, rows).tolist()
+    tokens = scores.argmax(dim=-1)
+    index = device_tensor(sampled, tokens.device)
+    tokens[index] = _sample(scores[index], [rows[i] for i in sampled])
     return tokens.tolist()
 
 
@@ -107,8 +106,8 @@ def _sample(scores: torch.Tensor, rows: list[Row]) -> torch.Tensor:
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Index of the first entry whose cumulative (unnormalised) mass exceeds ``uniform * total``."""
     cdf = probs.cumsum(dim=-1)
-    target = uniform[:, None] * cdf[:, -1:]
-    index = torch.searchsorted(cdf, target, right=True)[:, 0]
-    # u * total can round up to total: never step past the last entry with any mass
-    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(index, last)
+    total = cdf[:, -1:]
+    # strictly below the total (u * total can round up to it), so the first entry whose cumulative
+    # mass exceeds it has mass of its own: a zero-probability entry repeats its predecessor's sum
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]

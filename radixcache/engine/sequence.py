@@ -53,6 +53,7 @@ class Sequence:
 
     @property
     def request(self) -> Request:
+        """The request this sample belongs to."""
         return self.live.request
 
     @property
