@@ -1,72 +1,42 @@
 """RadixCache: a block-aligned radix tree over token ids that owns reference-counted KV blocks.
 
-Every non-root node holds a run of whole blocks: ``key`` is the tokens they cover (a multiple of
-``block_size`` long) and ``blocks`` their ids, one per ``block_size`` tokens. A child is found by
-the tuple of its first ``block_size`` tokens. The tree holds one reference on each block it holds;
-callers hold their own. Unpinned leaves sit in a SortedList ordered by recency, so eviction pops the
-least recently used leaf in O(log n) and never scans the tree.
+Every non-root node holds a run of whole blocks: its tokens (a multiple of ``block_size``) and their
+block ids, one per ``block_size`` tokens. Nodes live in a struct of arrays (``radixcache.nodes``):
+tokens are packed uint32 bytes compared with one ``memcmp`` per node, children are found by the
+packed bytes of their first block, and nothing the cyclic garbage collector walks grows with nodes,
+blocks or tokens. The tree holds one reference on each block it holds; callers hold their own.
+Evictable leaves are kept in eviction order by ``radixcache.recency`` (LRU, with soft retention as
+a second tier), so eviction never scans the tree. Calls over many block ids check them with numpy.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
+import math
+import time
 import weakref
 from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from sortedcontainers import SortedList
+import numpy as np
 
-from radixcache.blocks import BlockAllocator
+from radixcache.blocks import VECTOR_MIN, BlockAllocator, as_block_ids, has_duplicates
 from radixcache.errors import CacheError
+from radixcache.nodes import Node, NodeStore
+from radixcache.recency import Recency
+from radixcache.tokens import token_bytes
 
 Namespace = tuple
 
 # Every RadixCache alive in the process; the test suite's leak check walks it.
 LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
 
-
-class Node:
-    """One run of whole blocks in the tree. Opaque to callers: pass it to ``lock``/``unlock``.
-
-    A handle stays meaningful while the node is locked; an unlocked node may be split (the handle
-    keeps the deeper part, so it still ends at the same depth), truncated or evicted.
-    """
-
-    __slots__ = ("parent", "children", "key", "blocks", "lock_ref", "own_locks", "last_access",
-                 "serial", "namespace", "alive", "owner")
-
-    def __init__(self, parent: Node | None, key: tuple, blocks: tuple, namespace: Namespace,
-                 serial: int, owner: RadixCache | None = None):
-        self.owner = owner if parent is None else parent.owner
-        self.parent = parent
-        self.children: dict[tuple, Node] = {}
-        self.key = key
-        self.blocks = blocks
-        self.lock_ref = 0  # locks on this node or below it (the path count)
-        self.own_locks = 0  # lock() calls on exactly this node
-        self.last_access = 0
-        self.serial = serial
-        self.namespace = namespace
-        self.alive = True
-
-    @property
-    def depth_tokens(self) -> int:
-        """Number of tokens from the namespace root to the end of this node."""
-        n, node = 0, self
-        while node is not None:
-            n += len(node.key)
-            node = node.parent
-        return n
-
-    def __repr__(self) -> str:
-        return (f"Node(tokens={len(self.key)}, blocks={len(self.blocks)}, lock_ref={self.lock_ref}, "
-                f"children={len(self.children)})")
+_NO_BLOCKS = array("I")
 
 
-@dataclass(frozen=True)
-class Match:
+class Match(NamedTuple):
     """Result of ``RadixCache.match``.
 
     ``length`` tokens (a multiple of block_size) are cached in ``blocks`` (in order); ``node`` is the
@@ -76,6 +46,16 @@ class Match:
     length: int
     blocks: tuple
     node: Node
+
+
+class Adopted(NamedTuple):
+    """Result of ``RadixCache.adopt``: ``cached`` leading tokens were in the tree already; ``node``
+    ends at the last whole block of the tokens (ready to ``lock``); ``blocks`` are the tree's block
+    ids for every whole block of the tokens."""
+
+    cached: int
+    node: Node
+    blocks: tuple
 
 
 @dataclass
@@ -93,34 +73,6 @@ class CacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
-def as_token_tuple(tokens: Sequence[int]) -> tuple:
-    """Validate ``tokens`` (non-negative ints; a list, tuple, array, numpy array or 1-D tensor) and
-    return them as a tuple of ints. Raises ``TypeError`` for non-integers, ``ValueError`` for negatives."""
-    if type(tokens) is list or type(tokens) is tuple:
-        try:
-            array("Q", tokens)  # C-speed check: every item an int in 0 .. 2**64-1
-            return tuple(tokens)
-        except (TypeError, OverflowError):
-            pass  # fall through for the precise error
-    if hasattr(tokens, "tolist") and not isinstance(tokens, array):
-        if getattr(tokens, "ndim", 1) != 1:
-            raise ValueError(f"tokens must be one-dimensional, got shape {tuple(tokens.shape)}")
-        dtype = str(getattr(tokens, "dtype", ""))
-        if "float" in dtype or "complex" in dtype or "bool" in dtype:
-            raise TypeError(f"tokens must be integers, got dtype {dtype}")
-        tokens = tokens.tolist()
-    if isinstance(tokens, (str, bytes)):
-        raise TypeError("tokens must be a sequence of ints, got a string")
-    try:
-        packed = array("q", tokens)
-    except (TypeError, OverflowError) as e:
-        bad = next((t for t in tokens if isinstance(t, bool) or not hasattr(t, "__index__")), None)
-        raise TypeError(f"tokens must be ints, got {bad!r} ({e})") from None
-    if packed and min(packed) < 0:
-        raise ValueError(f"tokens must be non-negative, got {min(packed)}")
-    return tuple(packed)
-
-
 def _check_namespace(namespace: Namespace) -> Namespace:
     if not isinstance(namespace, tuple):
         raise TypeError(f"namespace must be a tuple, got {type(namespace).__name__}")
@@ -131,26 +83,47 @@ def _check_namespace(namespace: Namespace) -> Namespace:
     return namespace
 
 
+def _common_blocks(key: bytes, q: bytes, pos: int, end: int, bs4: int) -> int:
+    """How many whole blocks of ``key`` equal ``q[pos:end]`` (the first block is known equal)."""
+    m = min(len(key), end - pos) // bs4
+    if q[pos:pos + m * bs4] == key[:m * bs4]:
+        return m
+    lo, hi = 1, m  # blocks [0, lo) are equal; some block in [lo, hi) differs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if q[pos + lo * bs4:pos + mid * bs4] == key[lo * bs4:mid * bs4]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class RadixCache:
     """Token-keyed, block-aligned radix tree with reference-counted blocks and LRU leaf eviction.
 
     Only whole blocks are cached: L tokens cover ``L // block_size`` blocks, the tail is ignored.
     ``namespace`` tuples partition the tree completely: no node or block is shared between them.
-    See DESIGN.md for the contracts of each method; ``check()`` verifies the invariants.
+    ``clock`` (seconds, non-decreasing) is what ``retain`` deadlines are read against. See DESIGN.md
+    for the contracts of each method; ``check()`` verifies the invariants.
     """
 
-    def __init__(self, allocator: BlockAllocator, block_size: int = 16):
+    def __init__(self, allocator: BlockAllocator, block_size: int = 16, *, clock=time.monotonic):
         if not isinstance(allocator, BlockAllocator):
             raise TypeError("allocator must be a BlockAllocator")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not callable(clock):
+            raise TypeError("clock must be a callable returning seconds")
         self.allocator = allocator
         self.block_size = block_size
+        self.clock = clock
         self.stats = CacheStats()
-        self._roots: dict[Hashable, Node] = {}
-        self._serials = itertools.count()
-        self._clock = itertools.count(1)
-        self._lru = SortedList()  # (last_access, serial, node) of every unpinned non-root leaf
+        self.store = NodeStore()
+        self.recency = Recency(self.store, clock)
+        self._bs4 = 4 * block_size
+        self._roots: dict[Hashable, int] = {}
+        self._root_ns: dict[int, Hashable] = {}
+        self._ticks = itertools.count(1)
         self._in_tree = bytearray(allocator.num_blocks)
         self._cached_blocks = 0
         self._pinned_blocks = 0
@@ -169,7 +142,7 @@ class RadixCache:
 
     @property
     def evictable_blocks(self) -> int:
-        """Exactly how many blocks ``evict`` could drop right now."""
+        """Exactly how many blocks ``evict`` could drop right now (retained ones included)."""
         return self._cached_blocks - self._pinned_blocks
 
     @property
@@ -178,82 +151,113 @@ class RadixCache:
         return self._cached_blocks * self.block_size
 
     # ----------------------------------------------------------------- helpers
-    def _root(self, namespace: Namespace) -> Node:
+    def _root(self, namespace: Namespace) -> int:
         root = self._roots.get(namespace)
         if root is None:
-            root = Node(None, (), (), namespace, next(self._serials), owner=self)
+            root = self.store.new(-1, b"", _NO_BLOCKS, 0)
             self._roots[namespace] = root
+            self._root_ns[root] = namespace
         return root
 
-    def _is_evictable_leaf(self, node: Node) -> bool:
-        return node.parent is not None and not node.children and node.lock_ref == 0
+    def namespace_of_root(self, root: int) -> Namespace:
+        """The namespace whose root has id ``root`` (for ``Node.namespace``)."""
+        return self._root_ns[root]
 
-    def _lru_discard(self, node: Node) -> None:
-        if self._is_evictable_leaf(node):
-            self._lru.discard((node.last_access, node.serial, node))
+    def _handle(self, i: int) -> Node:
+        return Node(self, i, self.store.gen[i])
 
-    def _lru_add(self, node: Node) -> None:
-        if self._is_evictable_leaf(node):
-            self._lru.add((node.last_access, node.serial, node))
+    def _node_id(self, node: Node, what: str) -> int:
+        if not isinstance(node, Node):
+            raise TypeError(f"{what}: expected a node from match(), got {type(node).__name__}")
+        if node.owner is not self:
+            raise CacheError(f"{what}: node belongs to another RadixCache")
+        if not self.store.is_live(node.id, node.gen):
+            raise CacheError(f"{what}: node was evicted; lock the node a match returns right away")
+        return node.id
 
-    def _touch(self, node: Node) -> None:
-        """Refresh the recency of ``node`` and its ancestors (one clock tick for the whole path)."""
-        now = next(self._clock)
-        self._lru_discard(node)
-        leaf = node
-        while node is not None:
-            node.last_access = now
-            node = node.parent
-        self._lru_add(leaf)
+    def _is_evictable_leaf(self, i: int) -> bool:
+        store = self.store
+        return store.parent[i] >= 0 and store.kids[i] is None and store.lock_ref[i] == 0
 
-    def _matched_blocks(self, key: tuple, tokens: tuple, pos: int) -> int:
-        """How many whole blocks of ``key`` equal ``tokens[pos:]`` (the first block is known equal)."""
-        n = len(key)
-        if tokens[pos:pos + n] == key:
-            return n // self.block_size
-        bs = self.block_size
-        limit = min(n, len(tokens) - pos) // bs * bs
-        lo = bs
-        while lo < limit and key[lo:lo + bs] == tokens[pos + lo:pos + lo + bs]:
-            lo += bs
-        return lo // bs
+    def _touch(self, i: int) -> None:
+        """Refresh the recency of node ``i`` and its ancestors (one tick for the whole path)."""
+        tick = next(self._ticks)
+        recency = self.recency
+        leaf = i in recency.where
+        if leaf:
+            recency.discard(i)
+        access, parent = self.store.access, self.store.parent
+        j = i
+        while j >= 0:
+            access[j] = tick
+            j = parent[j]
+        if leaf:
+            recency.add(i)
 
-    def _split(self, node: Node, nblocks: int) -> Node:
-        """Split ``node`` after its first ``nblocks`` blocks; return the new upper node.
+    def _mark(self, ids: array, value: int) -> None:
+        marks = self._in_tree
+        if len(ids) < VECTOR_MIN:
+            for b in ids:
+                marks[b] = value
+        else:
+            np.frombuffer(marks, np.uint8)[np.frombuffer(ids, np.uint32)] = value
 
-        The original object keeps the lower part, so handles keep pointing at the same depth.
-        """
-        cut = nblocks * self.block_size
-        upper = Node(node.parent, node.key[:cut], node.blocks[:nblocks], node.namespace,
-                     next(self._serials))
-        upper.lock_ref = node.lock_ref
-        upper.last_access = node.last_access
-        upper.parent.children[node.key[:self.block_size]] = upper
-        node.key = node.key[cut:]
-        node.blocks = node.blocks[nblocks:]
-        node.parent = upper
-        upper.children[node.key[:self.block_size]] = node
+    def _marked(self, ids: array) -> list:
+        marks = self._in_tree
+        if len(ids) < VECTOR_MIN:
+            return [b for b in ids if marks[b]]
+        v = np.frombuffer(ids, np.uint32)
+        return v[np.frombuffer(marks, np.uint8)[v] != 0].tolist()
+
+    def _split(self, child: int, k: int) -> int:
+        """Split node ``child`` after its first ``k`` blocks; return the new upper node.
+
+        The original id keeps the lower part, so handles keep pointing at the same depth."""
+        store, bs4 = self.store, self._bs4
+        cut = k * bs4
+        key, blocks, parent = store.keys[child], store.blocks[child], store.parent[child]
+        upper = store.new(parent, key[:cut], blocks[:k], store.access[child])
+        store.lock_ref[upper] = store.lock_ref[child]
+        store.kids[parent][key[:bs4]] = upper
+        store.keys[child] = key[cut:]
+        store.blocks[child] = blocks[k:]
+        store.parent[child] = upper
+        store.kids[upper] = {key[cut:cut + bs4]: child}
         return upper
 
-    def _walk(self, tokens: tuple, namespace: Namespace) -> tuple[Node, int, list]:
-        """Follow ``tokens`` from the namespace root, splitting a node where the match ends inside it.
-        Returns (deepest matched node, matched token count, matched blocks)."""
-        bs = self.block_size
-        node = self._root(namespace)
-        pos = 0
-        blocks: list = []
-        end = len(tokens) // bs * bs
+    def _walk(self, q: bytes, root: int, split: bool) -> tuple[int, int, array]:
+        """Follow the whole blocks of ``q`` from ``root``. With ``split``, a node where the match ends
+        inside it is split there. Returns (deepest matched node, matched bytes, matched blocks)."""
+        store, bs4 = self.store, self._bs4
+        kids, keys, blocks_of = store.kids, store.keys, store.blocks
+        end = len(q) - len(q) % bs4
+        node, pos = root, 0
+        out = array("I")
         while pos < end:
-            child = node.children.get(tokens[pos:pos + bs])
+            children = kids[node]
+            if children is None:
+                break
+            child = children.get(q[pos:pos + bs4])
             if child is None:
                 break
-            k = self._matched_blocks(child.key, tokens, pos)
-            if k < len(child.blocks):
-                child = self._split(child, k)
-            blocks.extend(child.blocks)
-            pos += len(child.key)
-            node = child
-        return node, pos, blocks
+            key = keys[child]
+            n = len(key)
+            if n <= end - pos and q[pos:pos + n] == key:
+                out += blocks_of[child]
+                pos += n
+                node = child
+                continue
+            k = _common_blocks(key, q, pos, end, bs4)
+            if split:
+                if k < len(blocks_of[child]):
+                    child = self._split(child, k)
+                out += blocks_of[child]
+                node = child
+            else:
+                out += blocks_of[child][:k]
+            pos += k * bs4
+            break
+        return node, pos, out
 
     # ----------------------------------------------------------------- public API
     def match(self, tokens: Sequence[int], namespace: Namespace = ()) -> Match:
@@ -262,30 +266,21 @@ class RadixCache:
         Never changes reference counts; refreshes the recency of the matched path and counts the
         query in ``stats``. Callers that must compute at least one token pass ``tokens[:-1]``.
         """
-        tokens = as_token_tuple(tokens)
-        namespace = _check_namespace(namespace)
-        node, length, blocks = self._walk(tokens, namespace)
-        if node.parent is not None:
+        q = token_bytes(tokens)
+        root = self._root(_check_namespace(namespace))
+        node, pos, blocks = self._walk(q, root, True)
+        if node != root:
             self._touch(node)
-        self.stats.queried_tokens += len(tokens)
-        self.stats.hit_tokens += length
-        return Match(length, tuple(blocks), node)
+        self.stats.queried_tokens += len(q) >> 2
+        self.stats.hit_tokens += pos >> 2
+        return Match(pos >> 2, tuple(blocks), self._handle(node))
 
     def peek(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
         """Length of the longest cached block-aligned prefix of ``tokens``, with no side effect at all
         (no split, no recency refresh, no stats): for schedulers that rank waiting requests."""
-        tokens = as_token_tuple(tokens)
-        bs = self.block_size
-        node = self._roots.get(_check_namespace(namespace))
-        pos, end = 0, len(tokens) // bs * bs
-        while node is not None and pos < end:
-            child = node.children.get(tokens[pos:pos + bs])
-            if child is None:
-                break
-            k = self._matched_blocks(child.key, tokens, pos)
-            pos += k * bs
-            node = child if k == len(child.blocks) else None
-        return pos
+        q = token_bytes(tokens)
+        root = self._roots.get(_check_namespace(namespace))
+        return 0 if root is None else self._walk(q, root, False)[1] >> 2
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], namespace: Namespace = ()) -> int:
         """Put the whole blocks of ``tokens`` into the tree; return how many leading tokens were cached.
@@ -295,166 +290,177 @@ class RadixCache:
         was already cached. The caller's own references are untouched: it always releases what it holds.
         All arguments are checked before anything changes.
         """
-        tokens = as_token_tuple(tokens)
+        return self.adopt(tokens, blocks, namespace).cached
+
+    def adopt(self, tokens: Sequence[int], blocks: Sequence[int], namespace: Namespace = ()) -> Adopted:
+        """The insertion of ``insert``, returning also the node that ends at the last whole block of
+        ``tokens`` (the namespace root when there is none), ready to ``lock``, and the tree's block ids
+        for every whole block (the caller's where they were adopted, the tree's own where the content
+        was cached already: a caller holding a duplicate may swap to the tree's block)."""
+        q = token_bytes(tokens)
         namespace = _check_namespace(namespace)
-        bs = self.block_size
-        nblocks = len(tokens) // bs
-        try:
-            blocks = tuple(operator.index(b) for b in blocks)
-        except TypeError:
-            raise TypeError("blocks must be a sequence of int block ids") from None
-        if len(blocks) != nblocks:
-            raise ValueError(f"insert: {len(tokens)} tokens cover {nblocks} whole blocks of "
-                             f"{bs}, got {len(blocks)} block ids")
-        if len(set(blocks)) != len(blocks):
+        bs4 = self._bs4
+        nblocks = len(q) // bs4
+        ids = as_block_ids(blocks, "insert")
+        if len(ids) != nblocks:
+            raise ValueError(f"insert: {len(q) >> 2} tokens cover {nblocks} whole blocks of "
+                             f"{self.block_size}, got {len(ids)} block ids")
+        if has_duplicates(ids):
             raise CacheError("insert: the same block id appears twice")
-        self.allocator.check_held(blocks, "insert")
-        tokens = tokens[:nblocks * bs]
-        node, cached, _ = self._walk(tokens, namespace)
-        first_new = cached // bs
-        adopted = blocks[first_new:]
-        owned = [b for b in adopted if self._in_tree[b]]
-        if owned:
-            raise CacheError(f"insert: blocks {owned} already belong to the tree at other positions")
+        self.allocator.check_held(ids, "insert")
+        if len(q) != nblocks * bs4:
+            q = q[:nblocks * bs4]
+        node, pos, path = self._walk(q, self._root(namespace), True)
+        adopted = ids[pos // bs4:]
         if adopted:
-            self._lru_discard(node)
-            child = Node(node, tokens[cached:], adopted, namespace, next(self._serials))
-            node.children[tokens[cached:cached + bs]] = child
+            owned = self._marked(adopted)
+            if owned:
+                raise CacheError(f"insert: blocks {owned[:8]} already belong to the tree at other positions")
+            store = self.store
+            self.recency.discard(node)
+            child = store.new(node, q[pos:], adopted, 0)
+            if store.kids[node] is None:
+                store.kids[node] = {}
+            store.kids[node][q[pos:pos + bs4]] = child
             self.allocator.retain_checked(adopted)
-            for b in adopted:
-                self._in_tree[b] = 1
+            self._mark(adopted, 1)
             self._cached_blocks += len(adopted)
-            self.stats.inserted_tokens += len(adopted) * bs
+            self.stats.inserted_tokens += len(adopted) * self.block_size
+            path += adopted
+            self._touch(child)
+            self.recency.add(child)
             node = child
-        if node.parent is not None:
+        elif self.store.parent[node] >= 0:
             self._touch(node)
-        return cached
+        return Adopted(pos >> 2, self._handle(node), tuple(path))
 
     def lock(self, node: Node) -> None:
         """Pin the path from the namespace root to ``node``: none of it is evicted until ``unlock``.
         Locks nest."""
-        self._check_node(node, "lock")
-        self._lru_discard(node)
-        node.own_locks += 1
-        while node is not None:
-            if node.lock_ref == 0 and node.parent is not None:
-                self._pinned_blocks += len(node.blocks)
-            node.lock_ref += 1
-            node = node.parent
+        i = self._node_id(node, "lock")
+        store = self.store
+        self.recency.discard(i)
+        store.own_locks[i] += 1
+        lock_ref, parent, blocks = store.lock_ref, store.parent, store.blocks
+        while i >= 0:
+            if lock_ref[i] == 0 and parent[i] >= 0:
+                self._pinned_blocks += len(blocks[i])
+            lock_ref[i] += 1
+            i = parent[i]
 
     def unlock(self, node: Node) -> None:
         """Undo one ``lock(node)``. Raises ``CacheError`` if ``node`` is not locked."""
-        self._check_node(node, "unlock")
-        if node.own_locks <= 0:
+        i = self._node_id(node, "unlock")
+        store = self.store
+        if store.own_locks[i] == 0:
             raise CacheError("unlock: node is not locked (lock() was not called on it)")
-        node.own_locks -= 1
-        leaf = node
-        while node is not None:
-            node.lock_ref -= 1
-            if node.lock_ref == 0 and node.parent is not None:
-                self._pinned_blocks -= len(node.blocks)
-            node = node.parent
-        self._lru_add(leaf)
+        store.own_locks[i] -= 1
+        lock_ref, parent, blocks = store.lock_ref, store.parent, store.blocks
+        leaf = i
+        while i >= 0:
+            lock_ref[i] -= 1
+            if lock_ref[i] == 0 and parent[i] >= 0:
+                self._pinned_blocks -= len(blocks[i])
+            i = parent[i]
+        if self._is_evictable_leaf(leaf):
+            self.recency.add(leaf)
 
-    def _check_node(self, node: Node, what: str) -> None:
-        if not isinstance(node, Node):
-            raise TypeError(f"{what}: expected a node from match(), got {type(node).__name__}")
-        if node.owner is not self:
-            raise CacheError(f"{what}: node belongs to another RadixCache")
-        if not node.alive:
-            raise CacheError(f"{what}: node was evicted; lock the node a match returns right away")
+    def retain(self, node: Node, until: float) -> None:
+        """Keep the path from the namespace root to ``node`` until ``until`` on the tree's clock: a
+        soft hint, separate from locks and never released. While it lasts, the path's blocks are
+        evicted only after every block without retention (and before ``OutOfBlocks``); once the clock
+        passes ``until`` they are exactly as evictable as blocks never retained. Retention only ever
+        extends: the latest deadline given for a node holds. Raises ``TypeError``/``ValueError`` for
+        a deadline that is not a real number, ``CacheError`` for a node no longer in the tree."""
+        i = self._node_id(node, "retain")
+        if isinstance(until, bool) or not isinstance(until, (int, float)):
+            raise TypeError(f"retain: until must be a number of seconds on the tree's clock, got {until!r}")
+        if math.isnan(until):
+            raise ValueError("retain: until is NaN")
+        store = self.store
+        if until > store.until[i]:
+            store.until[i] = until
+            if i in self.recency:
+                self.recency.discard(i)
+                self.recency.add(i)
 
     def evict(self, num_blocks: int) -> int:
         """Drop the tree's reference on up to ``num_blocks`` blocks (never more), taken from unpinned
-        leaves, least recently used first, a leaf's deepest blocks first. Returns how many were dropped."""
+        leaves, least recently used first, a leaf's deepest blocks first; leaves under retention go
+        only after every other one. Returns how many were dropped."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        store, recency, bs4 = self.store, self.recency, self._bs4
+        if recency.kept:
+            recency.expire(self.clock())
         dropped = 0
-        while dropped < num_blocks and self._lru:
-            _, _, leaf = self._lru.pop(0)
-            take = min(num_blocks - dropped, len(leaf.blocks))
-            keep = len(leaf.blocks) - take
-            gone = leaf.blocks[keep:]
-            self.allocator.release(gone)
-            for b in gone:
-                self._in_tree[b] = 0
-            dropped += take
-            self._cached_blocks -= take
+        gone = array("I")
+        while dropped < num_blocks:
+            i = recency.pop()
+            if i is None:
+                break
+            blocks = store.blocks[i]
+            keep = max(0, len(blocks) - (num_blocks - dropped))
+            gone += blocks[keep:]
+            dropped += len(blocks) - keep
             if keep:
-                leaf.blocks = leaf.blocks[:keep]
-                leaf.key = leaf.key[:keep * self.block_size]
-                self._lru_add(leaf)
+                store.blocks[i] = blocks[:keep]
+                store.keys[i] = store.keys[i][:keep * bs4]
+                recency.add(i)
             else:
-                self._remove_leaf(leaf)
+                self._remove_leaf(i)
+        if gone:
+            self.allocator.release(gone)
+            self._mark(gone, 0)
+            self._cached_blocks -= dropped
         self.stats.evicted_blocks += dropped
         return dropped
 
-    def _remove_leaf(self, leaf: Node) -> None:
-        parent = leaf.parent
-        del parent.children[leaf.key[:self.block_size]]
-        leaf.alive = False
-        leaf.parent = None
-        if parent.parent is None:
-            if not parent.children and parent.lock_ref == 0:
-                self._roots.pop(parent.namespace, None)
-                parent.alive = False
-        else:
-            self._lru_add(parent)
+    def _remove_leaf(self, i: int) -> None:
+        store = self.store
+        parent = store.parent[i]
+        siblings = store.kids[parent]
+        del siblings[store.keys[i][:self._bs4]]
+        if not siblings:
+            store.kids[parent] = None
+        until = store.until[i]
+        store.free(i)
+        if store.parent[parent] < 0:
+            if store.kids[parent] is None and store.lock_ref[parent] == 0:
+                self._drop_root(parent)
+            return
+        if until > store.until[parent]:
+            store.until[parent] = until  # the parent is on the retained path: it inherits it
+        if self._is_evictable_leaf(parent):
+            self.recency.add(parent)
+
+    def _drop_root(self, root: int) -> None:
+        del self._roots[self._root_ns.pop(root)]
+        self.store.free(root)
 
     def reset(self) -> None:
         """Drop every unpinned node (pinned paths stay) and release the tree's references on them."""
         self.evict(self.evictable_blocks)
-        for namespace, root in list(self._roots.items()):
-            if not root.children and root.lock_ref == 0:
-                root.alive = False
-                del self._roots[namespace]
+        store = self.store
+        for root in list(self._root_ns):
+            if store.kids[root] is None and store.lock_ref[root] == 0:
+                self._drop_root(root)
 
     # ----------------------------------------------------------------- introspection
     def nodes(self):
-        """Yield every non-root node (depth first)."""
-        stack = [c for r in self._roots.values() for c in r.children.values()]
+        """Yield a handle on every non-root node (depth first)."""
+        kids = self.store.kids
+        stack = [c for r in self._root_ns for c in (kids[r] or {}).values()]
         while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+            i = stack.pop()
+            yield self._handle(i)
+            stack.extend((kids[i] or {}).values())
 
     def check(self) -> None:
         """Verify the tree's structural invariants; raise ``AssertionError`` naming what is wrong."""
-        bs = self.block_size
-        seen: set = set()
-        cached = pinned = 0
-        evictable_leaves = set()
-        for ns, root in self._roots.items():
-            assert root.parent is None and root.alive and root.namespace == ns, "bad namespace root"
-            assert root.lock_ref == root.own_locks + sum(c.lock_ref for c in root.children.values()), \
-                "root lock count is not own locks + children's"
-        for node in self.nodes():
-            assert node.alive, f"dead node {node} still linked"
-            assert len(node.key) == len(node.blocks) * bs > 0, f"{node}: key/blocks length mismatch"
-            assert node.parent.children.get(node.key[:bs]) is node, f"{node}: wrong child key"
-            assert node.namespace == node.parent.namespace, f"{node}: crosses namespaces"
-            assert node.lock_ref == node.own_locks + sum(c.lock_ref for c in node.children.values()), \
-                f"{node}: path lock count is not own locks + children's"
-            assert node.last_access >= max((c.last_access for c in node.children.values()),
-                                           default=0), f"{node}: older than a child"
-            for b in node.blocks:
-                assert b not in seen, f"block {b} held by two nodes"
-                seen.add(b)
-                assert self.allocator.refcount(b) >= 1, f"tree block {b} is free"
-                assert self._in_tree[b], f"block {b} not marked as in the tree"
-            cached += len(node.blocks)
-            if node.lock_ref:
-                pinned += len(node.blocks)
-            elif not node.children:
-                evictable_leaves.add(node.serial)
-        assert sum(self._in_tree) == len(seen), "in-tree marks disagree with the nodes"
-        assert cached == self._cached_blocks, f"cached_blocks {self._cached_blocks} != {cached}"
-        assert pinned == self._pinned_blocks, f"pinned_blocks {self._pinned_blocks} != {pinned}"
-        lru = [(t, s) for t, s, n in self._lru]
-        assert {s for _, s in lru} == evictable_leaves and len(lru) == len(evictable_leaves), \
-            "LRU list differs from the set of unpinned leaves"
-        for t, s, n in self._lru:
-            assert n.last_access == t, "stale LRU entry"
+        from radixcache.tree_check import check_tree
+
+        check_tree(self, self._roots, self._in_tree, self._cached_blocks, self._pinned_blocks)
 
     def leaks(self) -> list[str]:
         """What is still held outside the tree: pinned nodes and blocks with holders besides the tree.
@@ -462,16 +468,13 @@ class RadixCache:
         Empty when every request has finished and released its references (the end-of-test check).
         """
         problems = []
-        if self._pinned_blocks or any(r.lock_ref for r in self._roots.values()):
+        store = self.store
+        if self._pinned_blocks or any(store.lock_ref[r] for r in self._root_ns):
             problems.append(f"{self._pinned_blocks} pinned blocks / locked roots remain")
-        alloc = self.allocator
-        for b in range(alloc.num_blocks):
-            count = alloc.refcount(b)
-            expected = 1 if self._in_tree[b] else 0
-            if count != expected:
-                problems.append(f"block {b}: refcount {count}, tree holds {expected}")
-                if len(problems) > 10:
-                    break
+        counts = self.allocator.refcounts()
+        marks = np.frombuffer(self._in_tree, np.uint8)
+        for b in np.flatnonzero(counts != marks)[:11].tolist():
+            problems.append(f"block {b}: refcount {counts[b]}, tree holds {marks[b]}")
         return problems
 
     def __repr__(self) -> str:
