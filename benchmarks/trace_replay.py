@@ -107,33 +107,42 @@ def pool_blocks(trace: Trace, bs: int, order, capacity: int) -> int:
 
 
 class Timings:
-    """Every timed call: operation, nanoseconds, tokens given, the request's prompt length."""
+    """Every timed call: operation, wall and thread-CPU nanoseconds, tokens given, prompt length.
+
+    On a quiet machine the two clocks agree; on a loaded one the wall clock also counts the time the
+    process waited for a core, which the CPU clock leaves out."""
 
     def __init__(self):
-        self.op, self.ns, self.tokens, self.prompt = array("b"), array("q"), array("q"), array("q")
+        self.op, self.tokens, self.prompt = array("b"), array("q"), array("q")
+        self.ns = {"wall": array("q"), "cpu": array("q")}
 
-    def add(self, op: int, ns: int, tokens: int, prompt: int) -> None:
+    def add(self, op: int, wall_ns: int, cpu_ns: int, tokens: int, prompt: int) -> None:
         self.op.append(op)
-        self.ns.append(ns)
+        self.ns["wall"].append(wall_ns)
+        self.ns["cpu"].append(cpu_ns)
         self.tokens.append(tokens)
         self.prompt.append(prompt)
 
     def summary(self) -> dict:
-        """p50/p99 per 1k tokens of match and insert (prompts >= 1k tokens), the worst call."""
-        op, ns = np.frombuffer(self.op, np.int8), np.frombuffer(self.ns, np.int64)
+        """Per clock: p50/p99 per 1k tokens of match and insert (prompts >= 1k tokens), the worst
+        call, and the slowest call of each operation."""
+        op = np.frombuffer(self.op, np.int8)
         tokens, prompt = np.frombuffer(self.tokens, np.int64), np.frombuffer(self.prompt, np.int64)
         out = {}
-        for code, name in enumerate(OPS[:2]):
-            sel = (op == code) & (prompt >= 1000)
-            per_1k = ns[sel] / 1000.0 / (tokens[sel] / 1000.0)
-            out[name] = {"p50_us": float(np.percentile(per_1k, 50)) if sel.any() else None,
-                         "p99_us": float(np.percentile(per_1k, 99)) if sel.any() else None,
-                         "calls": int(sel.sum())}
-        worst = int(np.argmax(ns))
-        out["worst"] = {"op": OPS[op[worst]], "ms": float(ns[worst]) / 1e6, "tokens": int(tokens[worst])}
-        for code, name in enumerate(OPS):
-            sel = op == code
-            out[f"max_{name}_ms"] = float(ns[sel].max()) / 1e6 if sel.any() else None
+        for clock, samples in self.ns.items():
+            ns = np.frombuffer(samples, np.int64)
+            res = out[clock] = {}
+            for code, name in enumerate(OPS[:2]):
+                sel = (op == code) & (prompt >= 1000)
+                per_1k = ns[sel] / 1000.0 / (tokens[sel] / 1000.0)
+                res[name] = {"p50_us": float(np.percentile(per_1k, 50)) if sel.any() else None,
+                             "p99_us": float(np.percentile(per_1k, 99)) if sel.any() else None,
+                             "calls": int(sel.sum())}
+            worst = int(np.argmax(ns))
+            res["worst"] = {"op": OPS[op[worst]], "ms": float(ns[worst]) / 1e6, "tokens": int(tokens[worst])}
+            for code, name in enumerate(OPS):
+                sel = op == code
+                res[f"max_{name}_ms"] = float(ns[sel].max()) / 1e6 if sel.any() else None
         return out
 
 
@@ -148,7 +157,7 @@ def replay(trace: Trace, order, capacity: int, policy: str, bs: int, retain_s: f
     memory, next_sample = [], MEMORY_STEP
     gc.collect()
     base_rss = rss_bytes()
-    clock = time.perf_counter_ns
+    wall, cpu = time.perf_counter_ns, time.thread_time_ns
     convert = array.tolist if token_form == "list" else (lambda a: a)
     started = time.perf_counter()
     for t, kind, i in order:
@@ -157,48 +166,49 @@ def replay(trace: Trace, order, capacity: int, policy: str, bs: int, retain_s: f
         if kind:
             tokens = array("I", trace.tokens(i, int(trace.insert_len[i])).tobytes())
             prompt = convert(tokens[:n_in])
-            t0 = clock()
+            t0, c0 = wall(), cpu()
             m = tree.match(prompt)
-            timings.add(0, clock() - t0, n_in, n_in)
-            t0 = clock()
+            timings.add(0, wall() - t0, cpu() - c0, n_in, n_in)
+            t0, c0 = wall(), cpu()
             tree.lock(m.node)
-            timings.add(3, clock() - t0, 0, n_in)
+            timings.add(3, wall() - t0, cpu() - c0, 0, n_in)
             alloc.retain(m.blocks)
             need = len(tokens) // bs - len(m.blocks)
             if need > alloc.num_free:
-                t0 = clock()
+                t0, c0 = wall(), cpu()
                 tree.evict(need - alloc.num_free)
-                timings.add(2, clock() - t0, 0, n_in)
+                timings.add(2, wall() - t0, cpu() - c0, 0, n_in)
             flight[i] = (tokens, m.node, list(m.blocks) + alloc.allocate(need))
             hits[i] = m.length
             continue
         tokens, node, blocks = flight.pop(i)
         given = convert(tokens)
-        t0 = clock()
+        t0, c0 = wall(), cpu()
         adopted = tree.adopt(given, blocks)
-        timings.add(1, clock() - t0, len(tokens), n_in)
+        timings.add(1, wall() - t0, cpu() - c0, len(tokens), n_in)
         if policy == "retention" and trace.continues[i]:
-            t0 = clock()
+            t0, c0 = wall(), cpu()
             tree.retain(adopted.node, t + retain_s)
-            timings.add(5, clock() - t0, 0, n_in)
-        t0 = clock()
+            timings.add(5, wall() - t0, cpu() - c0, 0, n_in)
+        t0, c0 = wall(), cpu()
         tree.unlock(node)
-        timings.add(4, clock() - t0, 0, n_in)
+        timings.add(4, wall() - t0, cpu() - c0, 0, n_in)
         alloc.release(blocks)
         if tree.cached_blocks > capacity:
-            t0 = clock()
+            t0, c0 = wall(), cpu()
             tree.evict(tree.cached_blocks - capacity)
-            timings.add(2, clock() - t0, 0, n_in)
+            timings.add(2, wall() - t0, cpu() - c0, 0, n_in)
         if sample_memory and tree.cached_blocks >= next_sample:
             memory.append((tree.cached_blocks, rss_bytes() - base_rss))
             next_sample = (tree.cached_blocks // MEMORY_STEP + 1) * MEMORY_STEP
     elapsed = time.perf_counter() - started
     if sample_memory:
         memory.append((tree.cached_blocks, rss_bytes() - base_rss))
-    tree.check() if len(trace) <= QUICK_REQUESTS else None
+    if len(trace) <= QUICK_REQUESTS:
+        tree.check()
     result = {"capacity_blocks": capacity, "pool_blocks": alloc.num_blocks, "policy": policy,
               "hit_tokens": int(hits.sum()), "hits": hits, "cached_blocks": tree.cached_blocks,
-              "elapsed_s": elapsed, "memory": memory, **timings.summary()}
+              "elapsed_s": elapsed, "memory": memory, "timings": timings.summary()}
     tree.reset()
     return result
 
@@ -234,17 +244,19 @@ def run_trace(trace: Trace, args, log) -> dict:
             "working_set_blocks": working_set, "rows": rows}
 
 
-def render(result: dict) -> str:
-    """The tables for one trace: hit rates and timings per capacity and policy, then memory."""
+def render(result: dict, clock: str) -> str:
+    """The tables for one trace: hit rates and timings (on ``clock``) per capacity and policy, then
+    memory."""
     header = ("capacity", "blocks", "policy", "gc", "ideal hit", "hit", "match p50/p99 us/1k",
               "insert p50/p99 us/1k", "worst call")
     lines = []
     for r in result["rows"]:
-        w = r["worst"]
+        t = r["timings"][clock]
+        w = t["worst"]
         lines.append((f"{r['capacity_pct']}%", f"{r['capacity_blocks']:,}", r["policy"], r["gc"],
                       f"{r['ideal_hit_rate']:.4f}", f"{r['hit_rate']:.4f}",
-                      f"{fmt(r['match']['p50_us'], '.1f')} / {fmt(r['match']['p99_us'], '.1f')}",
-                      f"{fmt(r['insert']['p50_us'], '.1f')} / {fmt(r['insert']['p99_us'], '.1f')}",
+                      f"{fmt(t['match']['p50_us'], '.1f')} / {fmt(t['match']['p99_us'], '.1f')}",
+                      f"{fmt(t['insert']['p50_us'], '.1f')} / {fmt(t['insert']['p99_us'], '.1f')}",
                       f"{w['ms']:.2f} ms {w['op']} ({w['tokens']:,} tok)"))
     out = [table(header, lines, left=(0, 2, 3, 8))]
     by = {(r["capacity_pct"], r["policy"], r["gc"]): r["hit_rate"] for r in result["rows"]}
@@ -279,6 +291,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gc", choices=("on", "off", "both"), default="on")
     parser.add_argument("--tokens", choices=("array", "list"), default="array",
                         help="how tokens are handed to the tree (default array('I'))")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="clock of the printed timings (both go to --json; cpu leaves out time "
+                             "spent waiting for a core on a loaded machine)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to PATH as JSON")
     args = parser.parse_args(argv)
 
@@ -294,7 +309,7 @@ def main(argv=None) -> int:
     if not traces:
         parser.error("nothing to replay: give --trace PATH or drop --no-agent")
     print(f"trace replay: block size {args.block_size}, decode {args.decode_rate:g} tok/s, "
-          f"retention {args.retain_s:g} s, tokens as {args.tokens}, GC {args.gc}"
+          f"retention {args.retain_s:g} s, tokens as {args.tokens}, GC {args.gc}, {args.clock} clock"
           + (" [--quick]" if args.quick else ""))
     results = []
     for trace in traces:
@@ -306,7 +321,7 @@ def main(argv=None) -> int:
         print("parameters: " + ", ".join(f"{k} {v}" for k, v in trace.params.items()))
         print("measured: " + ", ".join(f"{k} {v:,.4g}" if isinstance(v, float) else f"{k} {v:,}"
                                        for k, v in result["measured"].items()))
-        print(render(result))
+        print(render(result, args.clock))
     print()
     print("ideal hit = an unbounded cache in the same event order; us/1k = microseconds per 1,000 tokens "
           "given to the call (prompts >= 1k tokens); worst call = the slowest single tree call, GC included")

@@ -18,7 +18,7 @@ import numpy as np
 
 from radixcache.errors import CacheError, OutOfBlocks
 
-VECTOR_MIN = 48  # calls with at least this many ids are checked and applied with numpy
+VECTOR_MIN = 128  # calls with at least this many ids are checked and applied with numpy
 MAX_ID = 2**32 - 1  # block ids are stored as unsigned 32-bit ints
 
 
@@ -54,15 +54,14 @@ def as_block_ids(blocks, what: str) -> array:
         ids = array("I", blocks)
     except (TypeError, OverflowError):
         raise _bad_id(blocks, what) from None
+    # array('I') takes True and False as 1 and 0: look for bools where those values are.
     if len(ids) < VECTOR_MIN:
-        if 0 in ids or 1 in ids:
-            for block in blocks:
-                if isinstance(block, bool):
-                    raise TypeError(f"{what}: block ids are ints, got {block!r}")
+        suspects = range(len(ids)) if 0 in ids or 1 in ids else ()
     else:
-        low = np.flatnonzero(np.frombuffer(ids, np.uint32) <= 1)
-        if any(isinstance(blocks[i], bool) for i in low.tolist()):
-            raise TypeError(f"{what}: block ids are ints, got a bool")
+        suspects = np.flatnonzero(np.frombuffer(ids, np.uint32) <= 1).tolist()
+    for i in suspects:
+        if isinstance(blocks[i], bool):
+            raise TypeError(f"{what}: block ids are ints, got {blocks[i]!r}")
     return ids
 
 

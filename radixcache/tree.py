@@ -305,13 +305,16 @@ class RadixCache:
         if len(ids) != nblocks:
             raise ValueError(f"insert: {len(q) >> 2} tokens cover {nblocks} whole blocks of "
                              f"{self.block_size}, got {len(ids)} block ids")
-        if has_duplicates(ids):
-            raise CacheError("insert: the same block id appears twice")
-        self.allocator.check_held(ids, "insert")
         if len(q) != nblocks * bs4:
             q = q[:nblocks * bs4]
         node, pos, path = self._walk(q, self._root(namespace), True)
         adopted = ids[pos // bs4:]
+        # Where the caller passes the tree's own blocks for the cached part (as match returned
+        # them), those are valid by construction; otherwise every id is checked.
+        checked = adopted if ids[:pos // bs4] == path else ids
+        if has_duplicates(checked):
+            raise CacheError("insert: the same block id appears twice")
+        self.allocator.check_held(checked, "insert")
         if adopted:
             owned = self._marked(adopted)
             if owned:
