@@ -20,8 +20,9 @@ Timings: every tree call is timed alone (``perf_counter_ns``) with Python's GC o
 ``both`` adds runs without it). Per 1k tokens: a call's time divided by the tokens it was given, over
 requests with prompts of at least 1k tokens. Tokens are handed to the tree as ``array('I')``, the
 form an engine keeps them in; ``--tokens list`` passes Python lists instead (each call then also
-converts them). Memory: resident set growth of the process per cached block, sampled as the 100%
-run's tree grows (the allocator's fixed 8 B per pool block is reported apart).
+converts them). Memory, sampled as the 100% run's tree grows: the process's resident-set growth
+per cached block, and the bytes of the tree's own structures counted object by object (both
+exclude the allocator's fixed 8 B per pool block: counts and free list).
 
     python benchmarks/trace_replay.py [--trace PATH ...] [--no-agent] [--quick] [--json PATH]
 """
@@ -59,6 +60,23 @@ def rss_bytes() -> int:
     """Resident set size of this process."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _PAGE
+
+
+def tree_bytes(tree: RadixCache) -> int:
+    """Bytes the tree's own structures hold, counted object by object (``sys.getsizeof``): the
+    node columns, every node's tokens, block ids and child table, the recency tiers, and the
+    in-tree marks (one byte per pool block). Ints shared with other structures count once."""
+    store, recency = tree.store, tree.recency
+    total = sum(sys.getsizeof(col) for col in (store.parent, store.lock_ref, store.own_locks, store.access,
+                                               store.until, store.gen, store.free_ids, store.keys,
+                                               store.blocks, store.kids))
+    total += sum(sys.getsizeof(k) for k in store.keys if k is not None)
+    total += sum(sys.getsizeof(b) for b in store.blocks)
+    total += sum(sys.getsizeof(d) for d in store.kids if d is not None)
+    for tier in (recency.lru, recency.kept, recency.expiry):
+        total += sum(sys.getsizeof(x) + 8 for x in tier)  # each entry and its list slot
+    total += sys.getsizeof(recency.where) + sys.getsizeof(recency.retained)
+    return total + tree.allocator.num_blocks
 
 
 def completion_s(trace: Trace, decode_rate: float) -> np.ndarray:
@@ -199,11 +217,11 @@ def replay(trace: Trace, order, capacity: int, policy: str, bs: int, retain_s: f
             tree.evict(tree.cached_blocks - capacity)
             timings.add(2, wall() - t0, cpu() - c0, 0, n_in)
         if sample_memory and tree.cached_blocks >= next_sample:
-            memory.append((tree.cached_blocks, rss_bytes() - base_rss))
+            memory.append((tree.cached_blocks, rss_bytes() - base_rss, tree_bytes(tree)))
             next_sample = (tree.cached_blocks // MEMORY_STEP + 1) * MEMORY_STEP
     elapsed = time.perf_counter() - started
     if sample_memory:
-        memory.append((tree.cached_blocks, rss_bytes() - base_rss))
+        memory.append((tree.cached_blocks, rss_bytes() - base_rss, tree_bytes(tree)))
     if len(trace) <= QUICK_REQUESTS:
         tree.check()
     result = {"capacity_blocks": capacity, "pool_blocks": alloc.num_blocks, "policy": policy,
@@ -222,7 +240,8 @@ def run_trace(trace: Trace, args, log) -> dict:
     queried = int(trace.input_len.sum())
     policies = ["lru", "retention"] if trace.has_sessions else ["lru"]
     rows = []
-    for pct in args.capacities:
+    # The largest capacity first: its memory samples then start from a heap no earlier run grew.
+    for pct in sorted(args.capacities, reverse=True):
         capacity = max(1, round(working_set * pct / 100))
         for policy in policies:
             for gc_on in {"on": [True], "off": [False], "both": [True, False]}[args.gc]:
@@ -240,6 +259,7 @@ def run_trace(trace: Trace, args, log) -> dict:
                 rows.append(r)
                 log(f"  {trace.name}: {pct}% {policy} gc {r['gc']}: hit {r['hit_rate']:.4f} "
                     f"(ideal {r['ideal_hit_rate']:.4f}), {r['elapsed_s']:.1f} s")
+    rows.sort(key=lambda r: (r["capacity_pct"], policies.index(r["policy"]), r["gc"] == "off"))
     return {"trace": trace.name, "params": trace.params, "measured": describe(trace),
             "working_set_blocks": working_set, "rows": rows}
 
@@ -267,9 +287,9 @@ def render(result: dict, clock: str) -> str:
     mem = [m for r in result["rows"] for m in r["memory"]]
     if mem:
         out.append("")
-        out.append(table(("cached blocks", "tree RSS growth", "bytes per cached block"),
-                         [(f"{b:,}", f"{d / 2**20:.1f} MiB", f"{d / b:.1f}") for b, d in mem if b],
-                         left=()))
+        out.append(table(("cached blocks", "RSS growth", "RSS B/block", "tree structures", "B/block"),
+                         [(f"{b:,}", f"{d / 2**20:.1f} MiB", f"{d / b:.1f}", f"{t / 2**20:.1f} MiB",
+                           f"{t / b:.1f}") for b, d, t in mem if b], left=()))
     return "\n".join(out)
 
 
