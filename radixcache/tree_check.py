@@ -1,10 +1,12 @@
 """``RadixCache.check``: every structural invariant of the tree, with block checks vectorised.
 
 Walks every live node once from the namespace roots and asserts (raising ``AssertionError`` naming
-what is wrong): the node-store invariants of ``radixcache.nodes``; no block held by two nodes;
-every tree block in use in the allocator and marked as the tree's, and nothing else marked; the
-cached and pinned counts; the recency tiers hold exactly the evictable leaves
-(``radixcache.recency``); every live id is reachable and every freed id is free.
+what is wrong) the invariants stated in ``radixcache.tree_body`` and ``radixcache.nodes``: node
+shapes and child keys, partial tails (one block, fewer than block_size tokens, no children, never
+locked, never covered by a child), path lock counts, recency never older than a child's; no block
+held by two nodes, every tree block in use and marked as the tree's and nothing else marked; the
+cached and pinned counts; recency tiers holding exactly the evictable leaves; every live id
+reachable and every freed id free.
 """
 
 from __future__ import annotations
@@ -14,20 +16,34 @@ from array import array
 import numpy as np
 
 
-def _lock_ref_ok(store, i: int, kids) -> bool:
-    return store.lock_ref[i] == store.own_locks[i] + sum(store.lock_ref[c] for c in (kids or {}).values())
+def _lock_ref_ok(store, i: int) -> bool:
+    kids = store.kids[i] or {}
+    return store.lock_ref[i] == store.own_locks[i] + sum(store.lock_ref[c] for c in kids.values())
 
 
-def check_tree(tree, roots: dict, in_tree: bytearray, cached_count: int, pinned_count: int) -> None:
-    """Assert every invariant of ``tree`` (its roots, in-tree marks and counters are passed in)."""
-    store, bs4 = tree.store, 4 * tree.block_size
-    for ns, r in roots.items():
+def _check_tail(body, parent: int, t: int) -> None:
+    store = body.store
+    key = store.keys[t]
+    assert store.tail[parent] == t and 0 < len(key) < body.bs4 and len(store.blocks[t]) == 1, \
+        f"node {t}: bad partial tail"
+    assert store.kids[t] is None and store.tail[t] < 0 and store.lock_ref[t] == 0 == store.own_locks[t], \
+        f"node {t}: a tail has no children and is never locked"
+    assert not any(store.keys[c].startswith(key) for c in (store.kids[parent] or {}).values()), \
+        f"node {t}: a child covers the tail"
+
+
+def check_tree(body, block_size: int) -> None:
+    """Assert every invariant of the tree whose ``TreeBody`` is ``body``."""
+    store, bs4 = body.store, body.bs4
+    assert bs4 == 4 * block_size
+    for ns, r in body.roots.items():
         assert store.parent[r] == -1 and store.keys[r] == b"", f"namespace root of {ns} is not a root"
-        assert tree.namespace_of_root(r) == ns, f"root {r} maps to another namespace"
+        assert body.root_ns[r] == ns, f"root {r} maps to another namespace"
         assert store.kids[r] is None or store.kids[r], f"root {r} has an empty child table"
-        assert _lock_ref_ok(store, r, store.kids[r]), "root lock count is not own locks + children's"
-    stack = [(r, c) for r in roots.values() for c in (store.kids[r] or {}).values()]
-    leaves, visited, cached, pinned = set(), 0, 0, 0
+        assert _lock_ref_ok(store, r), "root lock count is not own locks + children's"
+    assert len(body.root_ns) == len(body.roots), "root tables out of step"
+    stack = [(r, c) for r in body.roots.values() for c in body.below(r)]
+    leaves, visited, pinned = set(), 0, 0
     held = array("I")
     while stack:
         p, i = stack.pop()
@@ -35,26 +51,27 @@ def check_tree(tree, roots: dict, in_tree: bytearray, cached_count: int, pinned_
         key, blocks, kids = store.keys[i], store.blocks[i], store.kids[i]
         assert key is not None, f"freed node {i} still linked"
         assert store.parent[i] == p, f"node {i}: parent {store.parent[i]}, linked under {p}"
-        assert len(key) == len(blocks) * bs4 > 0, f"node {i}: key/blocks length mismatch"
-        assert store.kids[p].get(key[:bs4]) == i, f"node {i}: wrong child key"
-        assert kids is None or kids, f"node {i} has an empty child table"
-        assert _lock_ref_ok(store, i, kids), f"node {i}: path lock count is not own locks + children's"
-        for c in (kids or {}).values():
-            assert store.access[i] >= store.access[c], f"node {i}: older than child {c}"
-            stack.append((i, c))
+        assert store.access[p] >= store.access[i], f"node {p}: older than child {i}"
+        if body.is_tail(i):
+            _check_tail(body, p, i)
+        else:
+            assert len(key) == len(blocks) * bs4 > 0, f"node {i}: key/blocks length mismatch"
+            assert store.kids[p].get(key[:bs4]) == i, f"node {i}: wrong child key"
+            assert kids is None or kids, f"node {i} has an empty child table"
+            assert _lock_ref_ok(store, i), f"node {i}: path lock count is not own locks + children's"
+        stack.extend((i, c) for c in body.below(i))
         held += blocks
-        cached += len(blocks)
         if store.lock_ref[i]:
             pinned += len(blocks)
-        elif kids is None:
+        elif body.is_evictable_leaf(i):
             leaves.add(i)
-    assert visited + len(roots) == store.live_count(), "live nodes unreachable from the roots"
+    assert visited + len(body.roots) == store.live_count(), "live nodes unreachable from the roots"
     assert all(store.keys[i] is None for i in store.free_ids), "a free node id is still in use"
     v = np.frombuffer(held, np.uint32)
     assert np.unique(v).size == v.size, "a block is held by two nodes"
-    assert (tree.allocator.refcounts()[v] >= 1).all(), "a tree block is free in the allocator"
-    marks = np.frombuffer(in_tree, np.uint8)
+    assert (body.allocator.refcounts()[v] >= 1).all(), "a tree block is free in the allocator"
+    marks = np.frombuffer(body.in_tree, np.uint8)
     assert marks[v].all() and int(marks.sum()) == v.size, "in-tree marks disagree with the nodes"
-    assert cached == cached_count, f"cached_blocks {cached_count} != {cached}"
-    assert pinned == pinned_count, f"pinned_blocks {pinned_count} != {pinned}"
-    tree.recency.check(leaves)
+    assert v.size == body.cached, f"cached_blocks {body.cached} != {v.size}"
+    assert pinned == body.pinned, f"pinned_blocks {body.pinned} != {pinned}"
+    body.recency.check(leaves)

@@ -378,7 +378,7 @@ def test_unlock_of_a_node_pinned_only_by_a_locked_descendant(tree, which):
         ancestor = tree.match((99, 99)).node
     else:
         ancestor = tree.match(A[:4]).node  # splits the locked node: the handle keeps [5, 6]
-        assert ancestor != child and tree.match(A).node == child  # handles compare by node
+        assert ancestor is not child and tree.match(A).node is child
     before = snapshot(tree)
     unlocked_wrongly = True
     try:
