@@ -8,17 +8,17 @@ cyclic-GC pass has to walk per node, block or token):
   recency tick), ``until`` (retention deadline on the tree's clock, 0 for none), ``tail`` (the id of
   the node's partial tail, -1 for none) and ``gen`` (bumped when the id is freed, so a stale handle
   is recognised);
-- ``keys[i]``: the node's tokens as packed uint32 ``bytes`` (4 B per token), ``blocks[i]`` its
-  block ids as an ``array('I')`` (4 B per block) and ``kids[i]`` its children as a dict from the
-  packed first block of the child to the child's id (``None`` for a leaf). None of these is
-  tracked by the collector: bytes and arrays hold no references, and a dict of bytes to ints is
-  untracked by CPython.
+- ``keys[i]``: the node's tokens, ``blocks[i]`` its block ids, both packed uint32 ``bytes`` (4 B
+  per token, 4 B per block), and ``kids[i]`` its children as a dict from the packed first block of
+  the child to the child's id (``None`` for a leaf). None of these is tracked by the collector:
+  bytes hold no references (an ``array`` would be tracked), and CPython leaves a dict of bytes to
+  ints untracked. The whole store is a dozen tracked objects, however many nodes it holds.
 
 A partial tail is a node too: fewer than ``block_size`` tokens in one block, below its parent in
 ``tail[parent]`` rather than among the children; it has no children or tail and is never locked.
 
 Invariants (checked by ``RadixCache.check``): a live non-root node that is not a tail has
-``len(keys[i]) == 4 * block_size * len(blocks[i]) > 0`` and is ``kids[parent[i]][keys[i][:4 *
+``len(keys[i]) == block_size * len(blocks[i]) > 0`` and is ``kids[parent[i]][keys[i][:4 *
 block_size]]``;
 ``lock_ref[i] == own_locks[i] + sum(lock_ref[c] for c in kids[i])``; ``access[i] >= access[c]``
 for every child; freed ids have ``keys[i] is None`` and sit in ``free``.
@@ -31,7 +31,7 @@ from array import array
 
 from radixcache.tokens import unpack
 
-_EMPTY = array("I")
+_EMPTY = b""
 
 
 class NodeStore:
@@ -53,7 +53,7 @@ class NodeStore:
         self.kids: list = []
         self.free_ids = array("I")
 
-    def new(self, parent: int, key: bytes, blocks: array, access: int) -> int:
+    def new(self, parent: int, key: bytes, blocks: bytes, access: int) -> int:
         """A fresh node id with the given fields, no locks, no children, tail or retention."""
         if self.free_ids:
             i = self.free_ids.pop()
@@ -154,7 +154,7 @@ class Node:
     @property
     def blocks(self) -> array:
         """The node's block ids, in order."""
-        return array("I", self._store.blocks[self.id])
+        return unpack(self._store.blocks[self.id])
 
     @property
     def lock_ref(self) -> int:
@@ -183,7 +183,7 @@ class Node:
             return f"Node(id={self.id}, evicted)"
         store = self._store
         return (f"Node(id={self.id}, tokens={len(store.keys[self.id]) // 4}, "
-                f"blocks={len(store.blocks[self.id])}, lock_ref={store.lock_ref[self.id]}, "
+                f"blocks={len(store.blocks[self.id]) >> 2}, lock_ref={store.lock_ref[self.id]}, "
                 f"children={len(store.kids[self.id] or ())})")
 
 

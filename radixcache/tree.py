@@ -25,7 +25,7 @@ import numpy as np
 from radixcache.blocks import BlockAllocator, as_block_ids, has_duplicates
 from radixcache.errors import CacheError
 from radixcache.nodes import HandleTable, Node
-from radixcache.tokens import token_bytes
+from radixcache.tokens import token_bytes, unpack
 from radixcache.tree_body import TreeBody
 from radixcache.tree_check import check_tree
 
@@ -186,9 +186,10 @@ class RadixCache:
             body.touch(node)
         self.stats.queried_tokens += len(q) >> 2
         self.stats.hit_tokens += pos >> 2
+        blocks = tuple(memoryview(blocks).cast("I"))
         if tail < 0:
-            return Match(pos >> 2, tuple(blocks), self.handle_of(node))
-        return Match(pos >> 2, tuple(blocks), self.handle_of(node), tail_length, self.store.blocks[tail][0])
+            return Match(pos >> 2, blocks, self.handle_of(node))
+        return Match(pos >> 2, blocks, self.handle_of(node), tail_length, unpack(self.store.blocks[tail])[0])
 
     def peek(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
         """Length of the longest cached block-aligned prefix of ``tokens``, with no side effect at all
@@ -238,7 +239,7 @@ class RadixCache:
         # Where the caller passes the tree's own blocks for the cached part (as match returned
         # them), those are valid by construction; otherwise every id is checked. The walk's splits
         # change nothing observable, so checking after it still changes nothing on failure.
-        checked = adopted if ids[:pos // bs4] == path else ids
+        checked = adopted if ids[:pos // bs4].tobytes() == path else ids
         if tail is not None:
             checked = checked + tail
         if has_duplicates(checked):
@@ -257,7 +258,7 @@ class RadixCache:
             body.keep_tail(node, q[nblocks * bs4:], tail)
         if self.store.parent[node] >= 0:
             body.touch(node)
-        return Adopted(pos >> 2, self.handle_of(node), tuple(path))
+        return Adopted(pos >> 2, self.handle_of(node), tuple(memoryview(path).cast("I")))
 
     # ----------------------------------------------------------------- pins and retention
     def lock(self, node: Node) -> None:

@@ -31,7 +31,7 @@ from radixcache.nodes import NodeStore
 from radixcache.recency import Recency
 
 TAIL_SCAN = 32  # children scanned for a partially matching first block (more: only the tail is tried)
-_NO_BLOCKS = array("I")
+_NO_BLOCKS = b""
 
 
 def common_tokens(a: bytes, b: bytes) -> int:
@@ -154,23 +154,24 @@ class TreeBody:
         store, bs4 = self.store, self.bs4
         cut = k * bs4
         key, blocks, parent = store.keys[child], store.blocks[child], store.parent[child]
-        upper = store.new(parent, key[:cut], blocks[:k], store.access[child])
+        upper = store.new(parent, key[:cut], blocks[:4 * k], store.access[child])
         store.lock_ref[upper] = store.lock_ref[child]
         store.kids[parent][key[:bs4]] = upper
         store.keys[child] = key[cut:]
-        store.blocks[child] = blocks[k:]
+        store.blocks[child] = blocks[4 * k:]
         store.parent[child] = upper
         store.kids[upper] = {key[cut:cut + bs4]: child}
         return upper
 
-    def walk(self, q: bytes, root: int, split: bool) -> tuple[int, int, array]:
+    def walk(self, q: bytes, root: int, split: bool) -> tuple[int, int, bytearray]:
         """Follow the whole blocks of ``q`` from ``root``. With ``split``, a node where the match ends
-        inside it is split there. Returns (deepest matched node, matched bytes, matched blocks)."""
+        inside it is split there. Returns (deepest matched node, matched bytes, matched block ids
+        packed as uint32)."""
         store, bs4 = self.store, self.bs4
         kids, keys, blocks_of = store.kids, store.keys, store.blocks
         end = len(q) - len(q) % bs4
         node, pos = root, 0
-        out = array("I")
+        out = bytearray()
         while pos < end:
             children = kids[node]
             if children is None:
@@ -187,12 +188,12 @@ class TreeBody:
                 continue
             k = common_blocks(key, q, pos, end, bs4)
             if split:
-                if k < len(blocks_of[child]):
+                if 4 * k < len(blocks_of[child]):
                     child = self.split(child, k)
                 out += blocks_of[child]
                 node = child
             else:
-                out += blocks_of[child][:k]
+                out += blocks_of[child][:4 * k]
             pos += k * bs4
             break
         return node, pos, out
@@ -227,7 +228,7 @@ class TreeBody:
         if old >= 0 and key.startswith(store.keys[old]):
             self.drop_tail(node)
         self.recency.discard(node)
-        child = store.new(node, key, blocks, 0)
+        child = store.new(node, key, blocks.tobytes(), 0)
         if store.kids[node] is None:
             store.kids[node] = {}
         store.kids[node][key[:self.bs4]] = child
@@ -251,7 +252,7 @@ class TreeBody:
         if old >= 0:
             self.drop_tail(node)
         self.recency.discard(node)
-        store.tail[node] = store.new(node, rest, block, store.access[node])
+        store.tail[node] = store.new(node, rest, block.tobytes(), store.access[node])
         self.allocator.retain_checked(block)
         self.in_tree[block[0]] = 1
         self.cached += 1
@@ -264,7 +265,7 @@ class TreeBody:
         tail = store.tail[node]
         self.recency.discard(tail)
         store.tail[node] = -1
-        block = store.blocks[tail]
+        block = array("I", store.blocks[tail])
         self.allocator.release(block)
         self.in_tree[block[0]] = 0
         self.cached -= 1
@@ -300,24 +301,25 @@ class TreeBody:
         if recency.kept:
             recency.expire(now())
         dropped = 0
-        gone = array("I")
+        gone = bytearray()
         while dropped < num_blocks:
             i = recency.pop()
             if i is None:
                 break
             blocks = store.blocks[i]
-            keep = max(0, len(blocks) - (num_blocks - dropped))
-            gone += blocks[keep:]
-            dropped += len(blocks) - keep
+            keep = max(0, (len(blocks) >> 2) - (num_blocks - dropped))
+            gone += blocks[4 * keep:]
+            dropped += (len(blocks) >> 2) - keep
             if keep:
-                store.blocks[i] = blocks[:keep]
+                store.blocks[i] = blocks[:4 * keep]
                 store.keys[i] = store.keys[i][:keep * bs4]
                 recency.add(i)
             else:
                 self.remove_leaf(i)
         if gone:
-            self.allocator.release(gone)
-            self.mark(gone, 0)
+            ids = array("I", gone)
+            self.allocator.release(ids)
+            self.mark(ids, 0)
             self.cached -= dropped
         return dropped
 
@@ -330,7 +332,7 @@ class TreeBody:
         lock_ref, parent, blocks = store.lock_ref, store.parent, store.blocks
         while i >= 0:
             if lock_ref[i] == 0 and parent[i] >= 0:
-                self.pinned += len(blocks[i])
+                self.pinned += len(blocks[i]) >> 2
             lock_ref[i] += 1
             i = parent[i]
 
@@ -343,7 +345,7 @@ class TreeBody:
         while i >= 0:
             lock_ref[i] -= 1
             if lock_ref[i] == 0 and parent[i] >= 0:
-                self.pinned -= len(blocks[i])
+                self.pinned -= len(blocks[i]) >> 2
             i = parent[i]
         if self.is_evictable_leaf(leaf):
             self.recency.add(leaf)

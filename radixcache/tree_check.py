@@ -11,8 +11,6 @@ reachable and every freed id free.
 
 from __future__ import annotations
 
-from array import array
-
 import numpy as np
 
 
@@ -24,7 +22,7 @@ def _lock_ref_ok(store, i: int) -> bool:
 def _check_tail(body, parent: int, t: int) -> None:
     store = body.store
     key = store.keys[t]
-    assert store.tail[parent] == t and 0 < len(key) < body.bs4 and len(store.blocks[t]) == 1, \
+    assert store.tail[parent] == t and 0 < len(key) < body.bs4 and len(store.blocks[t]) == 4, \
         f"node {t}: bad partial tail"
     assert store.kids[t] is None and store.tail[t] < 0 and store.lock_ref[t] == 0 == store.own_locks[t], \
         f"node {t}: a tail has no children and is never locked"
@@ -44,7 +42,7 @@ def check_tree(body, block_size: int) -> None:
     assert len(body.root_ns) == len(body.roots), "root tables out of step"
     stack = [(r, c) for r in body.roots.values() for c in body.below(r)]
     leaves, visited, pinned = set(), 0, 0
-    held = array("I")
+    held = bytearray()
     while stack:
         p, i = stack.pop()
         visited += 1
@@ -55,14 +53,14 @@ def check_tree(body, block_size: int) -> None:
         if body.is_tail(i):
             _check_tail(body, p, i)
         else:
-            assert len(key) == len(blocks) * bs4 > 0, f"node {i}: key/blocks length mismatch"
+            assert len(key) == len(blocks) * block_size > 0, f"node {i}: key/blocks length mismatch"
             assert store.kids[p].get(key[:bs4]) == i, f"node {i}: wrong child key"
             assert kids is None or kids, f"node {i} has an empty child table"
             assert _lock_ref_ok(store, i), f"node {i}: path lock count is not own locks + children's"
         stack.extend((i, c) for c in body.below(i))
         held += blocks
         if store.lock_ref[i]:
-            pinned += len(blocks)
+            pinned += len(blocks) >> 2
         elif body.is_evictable_leaf(i):
             leaves.add(i)
     assert visited + len(body.roots) == store.live_count(), "live nodes unreachable from the roots"
