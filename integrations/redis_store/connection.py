@@ -93,6 +93,7 @@ class Link:
         self._client = None
         self._lock = threading.Lock()
         self._warned = False
+        self._closed = False
 
     def run(self, operation):
         """``operation(client)``'s result, or ``DOWN`` when the store is skipped or the operation failed.
@@ -100,7 +101,7 @@ class Link:
         A failure is counted (``on_error``), opens the breaker and is logged once per outage.
         """
         with self._lock:
-            if not self.breaker.ready():
+            if self._closed or not self.breaker.ready():
                 return DOWN
         try:
             client = self._connected()
@@ -115,8 +116,9 @@ class Link:
         return result
 
     def close(self) -> None:
-        """Close every connection (a later ``run`` reconnects)."""
+        """Close every connection; every later ``run`` returns ``DOWN``."""
         with self._lock:
+            self._closed = True
             client, self._client = self._client, None
         if client is not None:
             try:
@@ -138,8 +140,13 @@ class Link:
             client.close()
             client = RedisCluster.from_url(self.url, **self.options)
         with self._lock:
-            if self._client is None:
+            if self._client is None and not self._closed:
                 self._client, self.cluster = client, cluster
+                return client
+        client.close()  # another thread connected first, or the link closed meanwhile
+        with self._lock:
+            if self._client is None:
+                raise redis.ConnectionError("store closed")
             return self._client
 
     def _failed(self, error: Exception) -> None:
