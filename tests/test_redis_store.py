@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis_servers import redis_binary
 from store_blocks import BS, NS, make_pool, fill, open_store, same_block, tokens
 
 from radixcache.integrations.redis_store import DEFAULT_QUEUE_BYTES, RedisStore, pool_format
+from radixcache.integrations.redis_store.local import INSTALL_COMMAND, find_binary
 from radixcache.store import STORE_COUNTERS, BlockStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -252,3 +254,14 @@ def test_bad_arguments_raise_at_once(redis_server):
     with pytest.raises(TypeError, match="URL"):
         open_store(None, pool)
     store.close()
+
+
+def test_a_missing_redis_server_is_named_with_its_install_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="apt-get update && apt-get install -y redis-server"):
+        find_binary()
+    with pytest.raises(pytest.fail.Exception, match=INSTALL_COMMAND.replace("&", "[&]")):
+        redis_binary()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "command -v redis-server" in makefile and "apt-get install -y redis-server" in makefile
+    assert "apt-get install -y redis-server" in (ROOT / ".ci" / "run").read_text()

@@ -6,10 +6,11 @@ Every call below is made plainly: an exception escaping the store fails the test
 import threading
 import time
 
-from redis_servers import RedisServer, free_port
+from redis_servers import start
 from store_blocks import NS, fill, make_pool, open_store, same_block, tokens
 
 from radixcache.integrations.redis_store import pool_format
+from radixcache.integrations.redis_store.local import free_port
 from radixcache.store import BlockKV
 from radixcache.store.keys import block_digests, namespace_digest
 from radixcache.store.values import encode_value, value_size
@@ -61,14 +62,14 @@ def test_unreachable_at_start_warns_once_and_runs_without_it(caplog):
 
 
 def test_server_killed_mid_run_then_back(tmp_path, caplog):
-    server = RedisServer(tmp_path / "r").start()
+    server = start(tmp_path / "r")
     try:
         pool, store = stored(server, blocks=3)
         server.kill()
         assert store.fetch(NS, tokens(3), 0, 3) == []
         assert store.offer(NS, tokens(3), 0, [0, 1, 2], pool) in (0, 3)  # dropped now or by the writer
         assert until(lambda: store.stats()["store_dropped_blocks"] == 3)
-        server = RedisServer(tmp_path / "r", port=server.port).start()  # back, empty (no persistence)
+        server = start(tmp_path / "r", port=server.port)  # back, empty (no persistence)
         assert until(lambda: store.offer(NS, tokens(3), 0, [0, 1, 2], pool) == 3)
         assert until(lambda: store.stats()["store_written_blocks"] == 6)
         got = store.fetch(NS, tokens(3), 0, 3)

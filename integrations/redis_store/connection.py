@@ -86,7 +86,7 @@ class Link:
                  backoff: tuple[float, float] = (0.5, 30.0), clock=time.monotonic):
         self.url = url
         self.options = dict(socket_timeout=timeout, socket_connect_timeout=connect_timeout,
-                            retry=Retry(NoBackoff(), 0), socket_read_size=65536)
+                            retry=Retry(NoBackoff(), 0), socket_read_size=256 * 1024)
         self.on_error = on_error
         self.breaker = Breaker(*backoff, clock=clock)
         self.cluster = False

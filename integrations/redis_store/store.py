@@ -73,7 +73,7 @@ class RedisStore:
     def __init__(self, url: str, fmt: BlockFormat, *, ttl: float | None = None,
                  prefix: str | None = None, max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
                  timeout: float = 0.5, connect_timeout: float = 0.5, fetch_deadline: float = 2.0,
-                 read_chunk_bytes: int = 64 * MIB, write_batch_bytes: int = 32 * MIB,
+                 read_chunk_bytes: int = 8 * MIB, write_batch_bytes: int = 32 * MIB,
                  backoff: tuple[float, float] = (0.5, 30.0)):
         redis_url, own = split_url(url)
         fmt.check()
