@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 from redis_servers import redis_binary
-from store_blocks import BS, NS, make_pool, fill, open_store, same_block, tokens
+from store_blocks import BS, NS, contents, fill, make_pool, open_store, same_block, tokens
 
 from radixcache.integrations.redis_store import DEFAULT_QUEUE_BYTES, RedisStore, pool_format
 from radixcache.integrations.redis_store.local import INSTALL_COMMAND, find_binary
@@ -109,6 +109,8 @@ def test_url_options_ttl_prefix_and_db(redis_server):
         open_store(redis_server.url + "?ttl=0", pool)
     with pytest.raises(ValueError, match="redis://"):
         RedisStore("http://127.0.0.1:1", pool_format(pool, "m"))
+    with pytest.raises(ValueError, match="socket_timeout"):
+        open_store(redis_server.url + "?socket_timeout=soon", pool)
 
 
 def test_password_in_the_url_and_acl_users(redis_auth_server, caplog):
@@ -265,3 +267,41 @@ def test_a_missing_redis_server_is_named_with_its_install_command(monkeypatch, t
     makefile = (ROOT / "Makefile").read_text()
     assert "command -v redis-server" in makefile and "apt-get install -y redis-server" in makefile
     assert "apt-get install -y redis-server" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_url_parsing_takes_out_our_options_and_redacts_passwords():
+    from radixcache.integrations.redis_store.connection import Breaker, redact, split_url
+
+    url, own = split_url("rediss://alice:pw@h:6380/2?ttl=60&ssl_ca_certs=/ca.pem&prefix=p:")
+    assert url == "rediss://alice:pw@h:6380/2?ssl_ca_certs=/ca.pem" and own == {"ttl": "60", "prefix": "p:"}
+    assert redact("redis://alice:pw@h:6380/2") == "redis://alice:***@h:6380/2"
+    assert redact("redis://:pw@h/0") == "redis://:***@h/0" and redact("redis://h/0") == "redis://h/0"
+    now = [0.0]
+    breaker = Breaker(1.0, 4.0, clock=lambda: now[0])
+    assert breaker.ready() and breaker.failed() and not breaker.ready()
+    now[0] = 1.0
+    assert breaker.ready() and not breaker.failed() and breaker.backoff == 2.0
+    breaker.failed()
+    breaker.failed()
+    assert breaker.backoff == 4.0 and breaker.succeeded() and breaker.ready() and not breaker.succeeded()
+
+
+def test_fp8_blocks_carry_their_scales_through_the_store(redis_server):
+    import torch
+
+    source = make_pool(kv_dtype="fp8")
+    fill(source, range(2), seed=1)
+    _, report = written(redis_server, pool=source, blocks=2, seed=1)
+    assert report["store_written_blocks"] == 2
+    fresh, calibrated = make_pool(kv_dtype="fp8"), make_pool(kv_dtype="fp8")
+    fill(calibrated, [9], seed=7)  # its scales were set by other K/V
+    for target in (fresh, calibrated):
+        reader = open_store(redis_server.url, target)
+        got = reader.fetch(NS, tokens(2), 0, 2)
+        reader.close()
+        for i, kv in enumerate(got):
+            target.import_block(i, kv)
+    assert same_block(source, 0, fresh, 0) and same_block(source, 1, fresh, 1)  # adopted: exact
+    for i in range(2):
+        for want, got in zip(contents(source, i), contents(calibrated, i)):
+            assert torch.allclose(got, want, rtol=0.15, atol=0.05)  # rescaled: within fp8 precision

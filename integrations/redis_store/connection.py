@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 logger = logging.getLogger("radixcache.store")
@@ -23,6 +24,7 @@ logger = logging.getLogger("radixcache.store")
 SCHEMES = ("redis", "rediss", "unix")
 OWN_OPTIONS = ("ttl", "prefix")  # radixcache's own URL query options, taken out before redis-py sees it
 DOWN = object()  # what ``Link.run`` returns when the store could not be used
+FAILURES = (redis.RedisError, RedisClusterException, OSError)  # a store failure, never a caller's error
 
 
 def split_url(url: str) -> tuple[str, dict]:
@@ -34,7 +36,7 @@ def split_url(url: str) -> tuple[str, dict]:
         raise ValueError(f"store URL must start with redis://, rediss:// or unix://, got {redact(url)!r}")
     query = parse_qsl(parts.query, keep_blank_values=True)
     own = {k: v for k, v in query if k in OWN_OPTIONS}
-    rest = urlencode([(k, v) for k, v in query if k not in OWN_OPTIONS])
+    rest = urlencode([(k, v) for k, v in query if k not in OWN_OPTIONS], safe="/")
     return urlunsplit(parts._replace(query=rest)), own
 
 
@@ -106,7 +108,7 @@ class Link:
         try:
             client = self._connected()
             result = operation(client)
-        except (redis.RedisError, OSError) as e:
+        except FAILURES as e:
             self._failed(e)
             return DOWN
         with self._lock:
@@ -123,7 +125,7 @@ class Link:
         if client is not None:
             try:
                 client.close()
-            except (redis.RedisError, OSError):
+            except FAILURES:
                 pass
 
     def _connected(self):

@@ -94,13 +94,13 @@ class RedisStore:
         self.counters = Counters()
         self.link = Link(redis_url, timeout=timeout, connect_timeout=connect_timeout,
                          on_error=lambda: self.counters.add(store_errors=1), backoff=backoff)
-        self.writer = BlockWriter(self._send, self._lost, max_bytes=max_queue_bytes,
-                                  batch_bytes=max(write_batch_bytes, self.value_bytes))
         self._namespaces: dict = {}
         self._closed = False
         self._warned_refused = False
         self._lock = threading.Lock()
-        self.link.run(lambda client: client.ping())  # so an unreachable store is reported at start
+        self.link.run(lambda client: client.ping())  # an unreachable store is reported at start
+        self.writer = BlockWriter(self._send, self._lost, max_bytes=max_queue_bytes,
+                                  batch_bytes=max(write_batch_bytes, self.value_bytes))
 
     # ------------------------------------------------------------------ the BlockStore protocol
     def fetch(self, namespace: tuple, tokens: Sequence[int], start: int, limit: int) -> list[BlockKV]:
