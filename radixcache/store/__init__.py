@@ -90,8 +90,10 @@ class BlockStore(Protocol):
 
         ``blocks[j]`` is the pool block holding block ``start + j``; ``len(tokens)`` must cover
         them. The accepted ones are snapshotted with ``pool.export_block`` before this returns, so
-        the caller may free or reuse the blocks at once. Never waits on the network; blocks that do
-        not fit the write queue (or arrive while the store is down) are dropped and counted.
+        the caller may free or reuse the blocks at once; call it while holding a reference to them
+        (a computed block is never written again while referenced, so no other lock is needed).
+        Never waits on the network; blocks that do not fit the write queue (or arrive while the
+        store is down) are dropped and counted.
         """
 
     def stats(self) -> dict:
