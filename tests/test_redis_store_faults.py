@@ -103,7 +103,7 @@ def test_slow_server_times_out_as_a_miss(redis_server):
     store.close()
 
 
-def test_corrupted_and_truncated_values_are_misses_and_deleted(redis_server):
+def test_corrupted_truncated_and_mistyped_values_are_misses_and_deleted(redis_server):
     pool, store = stored(redis_server, blocks=4)
     keys = keys_in_chain_order(store, 4)
     raw = redis_server.client()
@@ -119,8 +119,11 @@ def test_corrupted_and_truncated_values_are_misses_and_deleted(redis_server):
     raw.set(keys[0], b"")
     assert store.fetch(NS, tokens(4), 0, 4) == []
     assert raw.exists(keys[0]) == 0
+    raw.lpush(keys[0], b"not a string")  # WRONGTYPE for GET
+    assert store.fetch(NS, tokens(4), 0, 4) == []
+    assert raw.exists(keys[0]) == 0
     stats = store.close()
-    assert stats["store_bad_values"] == 3
+    assert stats["store_bad_values"] == 4 and stats["store_errors"] == 0
     assert stats["store_hit_tokens"] == (2 + 1) * store.block_size
 
 

@@ -129,12 +129,14 @@ class RedisStore:
             received += sum(len(v) for v in values if isinstance(v, bytes))
             complete = True
             for k, key, value in zip(chunk, keys, values):
-                if not isinstance(value, bytes):
-                    if isinstance(value, Exception):
-                        self.counters.add(store_errors=1)
-                    complete = False
-                    break
                 try:
+                    if isinstance(value, Exception) and str(value).startswith("WRONGTYPE"):
+                        raise BadValue("the key holds another type of value")
+                    if not isinstance(value, bytes):
+                        if value is not None:  # a refused command: the server's trouble, not the key's
+                            self.counters.add(store_errors=1)
+                        complete = False
+                        break
                     out.append(decode_value(value, self.format, ns, digests[k], tokens[k * bs:(k + 1) * bs]))
                 except BadValue as e:
                     bad += 1
