@@ -117,7 +117,7 @@ class RedisStore:
         ns = self._namespace(namespace)
         digests = block_digests(ns, tokens, bs, end)
         out: list[BlockKV] = []
-        received = bad = 0
+        received = 0
         deadline = time.monotonic() + self.fetch_deadline
         i = start
         while i < end and not self._closed and time.monotonic() < deadline:
@@ -127,29 +127,31 @@ class RedisStore:
             if values is DOWN:
                 break
             received += sum(len(v) for v in values if isinstance(v, bytes))
-            complete = True
-            for k, key, value in zip(chunk, keys, values):
-                try:
-                    if isinstance(value, Exception) and str(value).startswith("WRONGTYPE"):
-                        raise BadValue("the key holds another type of value")
-                    if not isinstance(value, bytes):
-                        if value is not None:  # a refused command: the server's trouble, not the key's
-                            self.counters.add(store_errors=1)
-                        complete = False
-                        break
-                    out.append(decode_value(value, self.format, ns, digests[k], tokens[k * bs:(k + 1) * bs]))
-                except BadValue as e:
-                    bad += 1
-                    logger.warning("radixcache store: deleting a bad value (%s)", e)
-                    self.link.run(lambda client, key=key: client.delete(key))
-                    complete = False
-                    break
-            if not complete:
+            if not self._verified(ns, tokens, digests, chunk, keys, values, out):
                 break
             i = chunk.stop
         self.counters.add(store_hit_tokens=len(out) * bs, store_miss_blocks=end - start - len(out),
-                          store_bytes_read=received, store_bad_values=bad)
+                          store_bytes_read=received)
         return out
+
+    def _verified(self, ns, tokens, digests, chunk, keys, values, out: list) -> bool:
+        """Append the verified values of ``chunk`` to ``out`` in order; False at the first one missing or bad."""
+        bs = self.block_size
+        for k, key, value in zip(chunk, keys, values):
+            try:
+                if isinstance(value, Exception) and str(value).startswith("WRONGTYPE"):
+                    raise BadValue("the key holds another type of value")
+                if not isinstance(value, bytes):
+                    if value is not None:  # a refused command: the server's trouble, not the key's
+                        self.counters.add(store_errors=1)
+                    return False
+                out.append(decode_value(value, self.format, ns, digests[k], tokens[k * bs:(k + 1) * bs]))
+            except BadValue as e:
+                self.counters.add(store_bad_values=1)
+                logger.warning("radixcache store: deleting a bad value (%s)", e)
+                self.link.run(lambda client: client.delete(key))
+                return False
+        return True
 
     def offer(self, namespace: tuple, tokens: Sequence[int], start: int, blocks: Sequence[int],
               pool: BlockSource) -> int:
