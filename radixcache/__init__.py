@@ -6,9 +6,9 @@ torch or transformers. ``radixcache.wrap`` (the Hugging Face wrapper) is loaded 
 
 from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError, OutOfBlocks
-from radixcache.tree import CacheStats, Match, RadixCache
+from radixcache.tree import Adopted, CacheStats, Match, RadixCache
 
-__all__ = ["BlockAllocator", "CacheError", "CacheStats", "Match", "OutOfBlocks", "RadixCache", "wrap"]
+__all__ = ["Adopted", "BlockAllocator", "CacheError", "CacheStats", "Match", "OutOfBlocks", "RadixCache", "wrap"]
 __version__ = "0.1.0"
 
 

@@ -2,9 +2,12 @@
 
 Every non-root node holds a run of whole blocks: ``key`` is the tokens they cover (a multiple of
 ``block_size`` long) and ``blocks`` their ids, one per ``block_size`` tokens. A child is found by
-the tuple of its first ``block_size`` tokens. The tree holds one reference on each block it holds;
-callers hold their own. Unpinned leaves sit in a SortedList ordered by recency, so eviction pops the
-least recently used leaf in O(log n) and never scans the tree.
+the tuple of its first ``block_size`` tokens. A node may also keep one *partial tail*: a leaf with
+fewer than ``block_size`` tokens in one block (the end of a finished sequence), kept in ``tail``
+rather than among the children; it is never locked and is evicted like any leaf. The tree holds
+one reference on each block it holds; callers hold their own. Unpinned leaves sit in a SortedList
+ordered by recency, so eviction pops the least recently used leaf in O(log n) and never scans the
+tree.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import weakref
 from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from sortedcontainers import SortedList
 
@@ -22,6 +26,7 @@ from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError
 
 Namespace = tuple
+TAIL_SCAN = 32  # children scanned for a partially matching first block (more: only the tail is tried)
 
 # Every RadixCache alive in the process; the test suite's leak check walks it.
 LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
@@ -34,14 +39,15 @@ class Node:
     keeps the deeper part, so it still ends at the same depth), truncated or evicted.
     """
 
-    __slots__ = ("parent", "children", "key", "blocks", "lock_ref", "own_locks", "last_access",
-                 "serial", "namespace", "alive", "owner")
+    __slots__ = ("parent", "children", "tail", "key", "blocks", "lock_ref", "own_locks",
+                 "last_access", "serial", "namespace", "alive", "owner")
 
     def __init__(self, parent: Node | None, key: tuple, blocks: tuple, namespace: Namespace,
                  serial: int, owner: RadixCache | None = None):
         self.owner = owner if parent is None else parent.owner
         self.parent = parent
         self.children: dict[tuple, Node] = {}
+        self.tail: Node | None = None  # a partial last block below this node (fewer than bs tokens)
         self.key = key
         self.blocks = blocks
         self.lock_ref = 0  # locks on this node or below it (the path count)
@@ -65,17 +71,35 @@ class Node:
                 f"children={len(self.children)})")
 
 
-@dataclass(frozen=True)
-class Match:
+class Match(NamedTuple):
     """Result of ``RadixCache.match``.
 
     ``length`` tokens (a multiple of block_size) are cached in ``blocks`` (in order); ``node`` is the
     deepest matched node (the namespace root when nothing matched), ready to ``lock``.
+
+    After those tokens, the next ``tail_length`` tokens of the query (``0 <= tail_length <
+    block_size``) are cached in positions ``0 .. tail_length-1`` of block ``tail_block`` (a partial
+    tail kept at a leaf, or the first block of a child that diverges inside it). The tree keeps its
+    reference: a caller that wants those tokens retains the block at once, copies it into a block
+    of its own (copy on write) and never writes into ``tail_block``.
     """
 
     length: int
     blocks: tuple
     node: Node
+    tail_length: int = 0
+    tail_block: int | None = None
+
+
+class Adopted(NamedTuple):
+    """Result of ``RadixCache.adopt``: ``cached`` leading tokens were in the tree already; ``node``
+    ends at the last whole block of the inserted tokens (ready to ``lock``); ``blocks`` are the
+    tree's ids for every whole block of them (where they differ from the caller's, the caller holds
+    a duplicate and may swap it for the tree's)."""
+
+    cached: int
+    node: Node
+    blocks: tuple
 
 
 @dataclass
@@ -119,6 +143,24 @@ def as_token_tuple(tokens: Sequence[int]) -> tuple:
     if packed and min(packed) < 0:
         raise ValueError(f"tokens must be non-negative, got {min(packed)}")
     return tuple(packed)
+
+
+def _below(node: Node) -> list:
+    """``node``'s children and its tail."""
+    below = list(node.children.values())
+    if node.tail is not None:
+        below.append(node.tail)
+    return below
+
+
+def _common_prefix(a: tuple, b: tuple) -> int:
+    """Length of the common prefix of two short tuples."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _check_namespace(namespace: Namespace) -> Namespace:
@@ -186,7 +228,11 @@ class RadixCache:
         return root
 
     def _is_evictable_leaf(self, node: Node) -> bool:
-        return node.parent is not None and not node.children and node.lock_ref == 0
+        return (node.parent is not None and not node.children and node.tail is None
+                and node.lock_ref == 0)
+
+    def _is_tail(self, node: Node) -> bool:
+        return node.parent is not None and len(node.key) < self.block_size
 
     def _lru_discard(self, node: Node) -> None:
         if self._is_evictable_leaf(node):
@@ -265,11 +311,31 @@ class RadixCache:
         tokens = as_token_tuple(tokens)
         namespace = _check_namespace(namespace)
         node, length, blocks = self._walk(tokens, namespace)
-        if node.parent is not None:
+        tail_length, tail_node = self._best_tail(node, tokens[length:length + self.block_size - 1])
+        if tail_node is not None:
+            self._touch(tail_node)
+        elif node.parent is not None:
             self._touch(node)
         self.stats.queried_tokens += len(tokens)
         self.stats.hit_tokens += length
-        return Match(length, tuple(blocks), node)
+        if tail_node is None:
+            return Match(length, tuple(blocks), node)
+        return Match(length, tuple(blocks), node, tail_length, tail_node.blocks[0])
+
+    def _best_tail(self, node: Node, rest: tuple) -> tuple[int, Node | None]:
+        """The longest run (>= 1 token) of ``rest`` (fewer than block_size tokens) that the first
+        block of ``node``'s tail or of one of its children holds: (tokens, that node)."""
+        if not rest:
+            return 0, None
+        best, found = 0, None
+        candidates = [node.tail] if node.tail is not None else []
+        if len(node.children) <= TAIL_SCAN:
+            candidates.extend(node.children.values())
+        for cand in candidates:
+            n = _common_prefix(cand.key, rest)
+            if n > best:
+                best, found = n, cand
+        return best, found
 
     def peek(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
         """Length of the longest cached block-aligned prefix of ``tokens``, with no side effect at all
@@ -287,30 +353,49 @@ class RadixCache:
             node = child if k == len(child.blocks) else None
         return pos
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int], namespace: Namespace = ()) -> int:
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], namespace: Namespace = (),
+               tail_block: int | None = None) -> int:
         """Put the whole blocks of ``tokens`` into the tree; return how many leading tokens were cached.
 
         ``blocks`` are the caller's blocks for ``tokens`` (``len(tokens) // block_size`` of them).
         The tree retains each block it adopts for a new node and keeps its own block where the content
         was already cached. The caller's own references are untouched: it always releases what it holds.
+        With ``tail_block`` (a block the caller holds with the K/V of the last ``len(tokens) %
+        block_size`` tokens, which must be > 0) those tokens are kept as the partial tail of the node
+        ending at the last whole block, unless the tail there already covers them; a different or
+        shorter tail is replaced, and no tail is kept where a whole-block child covers it.
         All arguments are checked before anything changes.
         """
+        return self.adopt(tokens, blocks, namespace, tail_block).cached
+
+    def adopt(self, tokens: Sequence[int], blocks: Sequence[int], namespace: Namespace = (),
+              tail_block: int | None = None) -> Adopted:
+        """``insert``, also returning the node that ends at the last whole block of ``tokens`` (the
+        namespace root when there is none) and the tree's block ids for every whole block, in one walk."""
         tokens = as_token_tuple(tokens)
         namespace = _check_namespace(namespace)
         bs = self.block_size
         nblocks = len(tokens) // bs
         try:
             blocks = tuple(operator.index(b) for b in blocks)
+            if tail_block is not None:
+                tail_block = operator.index(tail_block)
         except TypeError:
-            raise TypeError("blocks must be a sequence of int block ids") from None
+            raise TypeError("blocks and tail_block must be int block ids") from None
         if len(blocks) != nblocks:
             raise ValueError(f"insert: {len(tokens)} tokens cover {nblocks} whole blocks of "
                              f"{bs}, got {len(blocks)} block ids")
-        if len(set(blocks)) != len(blocks):
+        if tail_block is not None and len(tokens) % bs == 0:
+            raise ValueError(f"insert: a tail_block needs a partial last block, but {len(tokens)} "
+                             f"tokens are whole blocks of {bs}")
+        every = blocks if tail_block is None else blocks + (tail_block,)
+        if len(set(every)) != len(every):
             raise CacheError("insert: the same block id appears twice")
-        self.allocator.check_held(blocks, "insert")
-        tokens = tokens[:nblocks * bs]
-        node, cached, _ = self._walk(tokens, namespace)
+        self.allocator.check_held(every, "insert")
+        if tail_block is not None and self._in_tree[tail_block]:
+            raise CacheError(f"insert: tail block {tail_block} already belongs to the tree")
+        whole = tokens[:nblocks * bs]
+        node, cached, path_blocks = self._walk(whole, namespace)
         first_new = cached // bs
         adopted = blocks[first_new:]
         owned = [b for b in adopted if self._in_tree[b]]
@@ -318,17 +403,52 @@ class RadixCache:
             raise CacheError(f"insert: blocks {owned} already belong to the tree at other positions")
         if adopted:
             self._lru_discard(node)
-            child = Node(node, tokens[cached:], adopted, namespace, next(self._serials))
-            node.children[tokens[cached:cached + bs]] = child
+            if node.tail is not None and _common_prefix(node.tail.key, whole[cached:]) == len(node.tail.key):
+                self._drop_tail(node)  # the new whole block covers it
+            child = Node(node, whole[cached:], adopted, namespace, next(self._serials))
+            node.children[whole[cached:cached + bs]] = child
             self.allocator.retain_checked(adopted)
             for b in adopted:
                 self._in_tree[b] = 1
             self._cached_blocks += len(adopted)
             self.stats.inserted_tokens += len(adopted) * bs
             node = child
+        if tail_block is not None:
+            self._keep_tail(node, tokens[nblocks * bs:], tail_block)
         if node.parent is not None:
             self._touch(node)
-        return cached
+        return Adopted(cached, node, tuple(path_blocks) + adopted)
+
+    def _keep_tail(self, node: Node, tokens: tuple, block: int) -> None:
+        """Make ``block`` (holding ``tokens``) the tail of ``node`` unless something covers it."""
+        old = node.tail
+        cover = old if old is not None and _common_prefix(old.key, tokens) == len(tokens) else next(
+            (c for c in node.children.values() if _common_prefix(c.key, tokens) == len(tokens)), None)
+        if cover is not None:  # the tail there, or a whole-block child, already holds these tokens
+            self._touch(cover)
+            return
+        if old is not None:
+            self._drop_tail(node)
+        self._lru_discard(node)
+        tail = Node(node, tokens, (block,), node.namespace, next(self._serials))
+        tail.last_access = node.last_access
+        node.tail = tail
+        self.allocator.retain_checked((block,))
+        self._in_tree[block] = 1
+        self._cached_blocks += 1
+        self._lru_add(tail)
+        self._touch(tail)
+
+    def _drop_tail(self, node: Node) -> None:
+        """Release ``node``'s tail (the caller re-files ``node`` in the LRU list if needed)."""
+        tail = node.tail
+        self._lru_discard(tail)
+        node.tail = None
+        tail.alive = False
+        tail.parent = None
+        self.allocator.release(tail.blocks)
+        self._in_tree[tail.blocks[0]] = 0
+        self._cached_blocks -= 1
 
     def lock(self, node: Node) -> None:
         """Pin the path from the namespace root to ``node``: none of it is evicted until ``unlock``.
@@ -363,6 +483,8 @@ class RadixCache:
             raise CacheError(f"{what}: node belongs to another RadixCache")
         if not node.alive:
             raise CacheError(f"{what}: node was evicted; lock the node a match returns right away")
+        if self._is_tail(node):
+            raise CacheError(f"{what}: a partial tail is never locked; copy its block instead")
 
     def evict(self, num_blocks: int) -> int:
         """Drop the tree's reference on up to ``num_blocks`` blocks (never more), taken from unpinned
@@ -391,11 +513,14 @@ class RadixCache:
 
     def _remove_leaf(self, leaf: Node) -> None:
         parent = leaf.parent
-        del parent.children[leaf.key[:self.block_size]]
+        if parent.tail is leaf:
+            parent.tail = None
+        else:
+            del parent.children[leaf.key[:self.block_size]]
         leaf.alive = False
         leaf.parent = None
         if parent.parent is None:
-            if not parent.children and parent.lock_ref == 0:
+            if not parent.children and parent.tail is None and parent.lock_ref == 0:
                 self._roots.pop(parent.namespace, None)
                 parent.alive = False
         else:
@@ -405,18 +530,18 @@ class RadixCache:
         """Drop every unpinned node (pinned paths stay) and release the tree's references on them."""
         self.evict(self.evictable_blocks)
         for namespace, root in list(self._roots.items()):
-            if not root.children and root.lock_ref == 0:
+            if not root.children and root.tail is None and root.lock_ref == 0:
                 root.alive = False
                 del self._roots[namespace]
 
     # ----------------------------------------------------------------- introspection
     def nodes(self):
-        """Yield every non-root node (depth first)."""
-        stack = [c for r in self._roots.values() for c in r.children.values()]
+        """Yield every non-root node, partial tails included (depth first, parents before children)."""
+        stack = [c for r in self._roots.values() for c in _below(r)]
         while stack:
             node = stack.pop()
             yield node
-            stack.extend(node.children.values())
+            stack.extend(_below(node))
 
     def check(self) -> None:
         """Verify the tree's structural invariants; raise ``AssertionError`` naming what is wrong."""
@@ -430,12 +555,19 @@ class RadixCache:
                 "root lock count is not own locks + children's"
         for node in self.nodes():
             assert node.alive, f"dead node {node} still linked"
-            assert len(node.key) == len(node.blocks) * bs > 0, f"{node}: key/blocks length mismatch"
-            assert node.parent.children.get(node.key[:bs]) is node, f"{node}: wrong child key"
+            if self._is_tail(node):
+                assert node.parent.tail is node and len(node.blocks) == 1, f"{node}: bad tail"
+                assert not node.children and node.tail is None and node.lock_ref == 0 == \
+                    node.own_locks, f"{node}: a tail has no children and is never locked"
+                assert not any(_common_prefix(c.key, node.key) == len(node.key)
+                               for c in node.parent.children.values()), f"{node}: covered tail kept"
+            else:
+                assert len(node.key) == len(node.blocks) * bs > 0, f"{node}: key/blocks length mismatch"
+                assert node.parent.children.get(node.key[:bs]) is node, f"{node}: wrong child key"
             assert node.namespace == node.parent.namespace, f"{node}: crosses namespaces"
             assert node.lock_ref == node.own_locks + sum(c.lock_ref for c in node.children.values()), \
                 f"{node}: path lock count is not own locks + children's"
-            assert node.last_access >= max((c.last_access for c in node.children.values()),
+            assert node.last_access >= max((c.last_access for c in _below(node)),
                                            default=0), f"{node}: older than a child"
             for b in node.blocks:
                 assert b not in seen, f"block {b} held by two nodes"
@@ -445,7 +577,7 @@ class RadixCache:
             cached += len(node.blocks)
             if node.lock_ref:
                 pinned += len(node.blocks)
-            elif not node.children:
+            elif not node.children and node.tail is None:
                 evictable_leaves.add(node.serial)
         assert sum(self._in_tree) == len(seen), "in-tree marks disagree with the nodes"
         assert cached == self._cached_blocks, f"cached_blocks {self._cached_blocks} != {cached}"

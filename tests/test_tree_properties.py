@@ -3,15 +3,17 @@
 The machine plays the caller. A request matches its tokens, optionally locks the matched node and
 retains the matched blocks ("reuse") or recomputes everything ("fresh"), allocates blocks for the
 rest (evicting when short), records for every block it allocates the exact (namespace, token
-prefix) it was "written" for, inserts, and releases its references now or later (live holders).
-Readers match, lock and hold blocks without inserting. Evictions and resets happen in between.
+prefix) it was "written" for, inserts (sometimes with a partial tail block for its last, partial
+block), and releases its references now or later (live holders). Readers match, lock and hold
+blocks without inserting. Evictions and resets happen in between.
 
 After every step the DESIGN.md invariants are checked:
 
 1. every block's count == (1 if the tree holds it) + the machine's live references on it;
    num_free + used == num_blocks; the tree holds exactly the blocks the model says it holds;
-2. soundness by content: every block on every tree path, and every block any match returns, was
-   recorded for exactly the (namespace, prefix) it sits at;
+2. soundness by content: every block on every tree path (partial tails included), and every block
+   any match returns, was recorded for exactly the (namespace, prefix) it sits at; a match's tail
+   block holds at least the tail tokens it claims, right after the matched prefix;
 3. completeness: match length lies between the longest block-aligned prefix shared with a sequence
    that surely is cached (inserted since the last eviction, or locked) and with one that may be
    cached (inserted since everything unpinned was last dropped): exact while nothing was evicted;
@@ -61,6 +63,7 @@ class Request:
         self.ns = namespace
         self.tokens = tokens
         self.blocks: list = []       # references the caller holds (one each)
+        self.tail_block = None       # one of blocks: the partial last block, offered to the tree
         self.node = None             # locked handle, if any
         self.locks = 0               # how many times node is locked by this request
         self.lock_tokens = ()        # tokens of the locked path
@@ -140,6 +143,16 @@ class CacheMachine(RuleBasedStateMachine):
             assert b in self.in_tree, f"match returned block {b} that the tree does not hold"
         lo, hi = self.bounds(tokens, ns)
         assert lo <= m.length <= hi, f"match length {m.length} outside [{lo}, {hi}] for {tokens} in {ns}"
+        if m.tail_block is None:
+            assert m.tail_length == 0
+        else:
+            t = m.tail_length
+            assert 1 <= t < bs and m.length + t <= len(tokens), (m.length, t, len(tokens))
+            assert m.tail_block in self.in_tree, f"tail block {m.tail_block} is not the tree's"
+            owner, written = self.content[m.tail_block]
+            assert owner == ns and len(written) >= m.length + t and \
+                written[:m.length + t] == tokens[:m.length + t], \
+                f"tail block {m.tail_block} holds {written}, match claims {tokens[:m.length + t]}"
         return lo == hi
 
     def clone(self) -> RadixCache:
@@ -184,7 +197,11 @@ class CacheMachine(RuleBasedStateMachine):
         event(f"match: {'exact' if exact else 'bounded'}, {'hit' if m.length else 'miss'}")
         self.queried += len(tokens)
         self.hit += m.length
-        if m.length:
+        if m.tail_block is not None:  # the tail's node was touched last
+            written = self.content[m.tail_block][1]
+            self.recent = (ns, written[:len(written) // self.bs * self.bs])
+            event("match: tail")
+        elif m.length:
             self.recent = (ns, tuple(tokens[:m.length]))
         return m
 
@@ -219,6 +236,14 @@ class CacheMachine(RuleBasedStateMachine):
             self.forget(self.maybe)
         return dropped
 
+    def forget_tails(self, dropped):
+        """A dropped tail may have been the most recently touched leaf: its whole-block path (which
+        the machine still knows) stays most recent, so keep ``recent`` unless it pointed there."""
+        if self.recent is not None and any(
+                self.content[b][1][:len(self.content[b][1]) // self.bs * self.bs] == self.recent[1]
+                for b in dropped):
+            self.recent = None
+
     def forget(self, which):
         """After blocks were dropped: only the locked paths are still known to be (or may be) cached.
         They stay in the set even once unlocked, until the next eviction."""
@@ -247,15 +272,33 @@ class CacheMachine(RuleBasedStateMachine):
         tokens, ns = req.tokens, req.ns
         nblocks = len(tokens) // bs
         lo, hi = self.bounds(tokens, ns)
-        cached = self.tree.insert(tokens, req.blocks, ns)
+        whole = req.blocks[:nblocks]
+        if req.tail_block is None:
+            cached = self.tree.insert(tokens, whole, ns)
+        else:
+            got = self.tree.adopt(tokens, whole, ns, tail_block=req.tail_block)
+            cached = got.cached
         assert cached % bs == 0 and lo <= cached <= hi, f"insert returned {cached}, not in [{lo}, {hi}]"
-        adopted = set(req.blocks[cached // bs:])
+        adopted = set(whole[cached // bs:])
         kind = "new" if not cached else "all cached" if cached == nblocks * bs else "partly cached"
-        event(f"insert: {kind}")
+        event(f"insert: {kind}{' with tail' if req.tail_block is not None else ''}")
         assert not adopted & self.in_tree
         now = self.observe_tree()
-        assert now == self.in_tree | adopted, "insert adopted other blocks than the new positions'"
+        added, dropped = now - self.in_tree, self.in_tree - now
+        assert added - {req.tail_block} == adopted, "insert adopted other blocks than the new positions'"
+        for b in dropped:  # only partial tails replaced or covered at this very node
+            owner, written = self.content[b]
+            assert owner == ns and len(written) % bs and written[:len(written) // bs * bs] in (
+                tokens[:nblocks * bs], tokens[:cached]), f"insert dropped {b}"
+        if req.tail_block in added:
+            event("insert: tail kept")
+        if dropped:
+            event("insert: tail replaced or covered")
+            self.forget_tails(dropped)
         self.in_tree = now
+        if req.tail_block is not None:  # adopt: the tree's blocks for the whole path, and its end
+            assert got.blocks == tuple(self.path_blocks(ns, tokens[:nblocks * bs]))
+            assert got.node.depth_tokens == nblocks * bs
         self.inserted_tokens += len(adopted) * bs
         req.inserted = True
         if tokens in self.seqs:  # inserted sequences are the likeliest bases of the next ones
@@ -265,7 +308,8 @@ class CacheMachine(RuleBasedStateMachine):
             aligned = tokens[:nblocks * bs]
             self.sure[ns].add(aligned)
             self.maybe[ns].add(aligned)
-            self.recent = (ns, aligned)
+        if nblocks or req.tail_block is not None:  # the tail (or what covers it) is touched last
+            self.recent = (ns, tokens[:nblocks * bs])
 
     def release_req(self, req):
         for _ in range(req.locks):
@@ -319,13 +363,16 @@ class CacheMachine(RuleBasedStateMachine):
             self.alloc.retain(m.blocks)
             self.holders.update(m.blocks)
             req.blocks = list(m.blocks)
-        new = self.take(len(tokens) // self.bs - len(req.blocks))
+        with_tail = bool(len(tokens) % self.bs) and data.draw(st.booleans(), label="with tail")
+        new = self.take(len(tokens) // self.bs - len(req.blocks) + with_tail)
         if new is None:
             self.release_req(req)
             return
         for i, b in enumerate(new, start=len(req.blocks)):
             self.content[b] = (ns, tokens[:(i + 1) * self.bs])
         req.blocks += new
+        if with_tail:
+            req.tail_block = req.blocks[-1]
         if insert is None:
             insert = not data.draw(st.booleans(), label="insert later")
         if insert:
