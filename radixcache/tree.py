@@ -311,6 +311,19 @@ class RadixCache:
             self.body.drop_idle_root(root)
 
     # ----------------------------------------------------------------- introspection
+    def path_blocks(self, node: Node) -> tuple:
+        """The blocks on the path from the namespace root down to ``node`` (no side effect)."""
+        self._check_node(node, "path_blocks")
+        runs = []
+        while node is not None:
+            runs.append(node.blocks)
+            node = node.parent
+        return tuple(b for run in reversed(runs) for b in run)
+
+    def holds(self, block: int) -> bool:
+        """True when the tree holds a reference on ``block`` (a node or a partial tail owns it)."""
+        return bool(self._in_tree[block])
+
     def nodes(self):
         """Yield a handle on every non-root node, partial tails included (depth first, parents
         before children)."""

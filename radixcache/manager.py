@@ -1,0 +1,328 @@
+"""CacheManager: the one request lifecycle over a radix tree of reference-counted KV blocks.
+
+Every way radixcache runs a request (``generate``, ``generate_batch``, the server) goes through the
+same five verbs, under one lock and into one ledger::
+
+    lease = manager.admit(tokens, namespace)  # match tokens[:-1], pin the match, hold its blocks
+    manager.grow(lease, n)                    # blocks for n tokens, allocated as tokens arrive
+    ...                                       # the caller computes K/V of tokens[lease.computed:n]
+    manager.commit(lease, tokens, n)          # whole blocks into the tree at once: others share them
+    manager.release(lease, tokens)            # keep the partial tail, unpin, drop every hold
+
+``fork`` starts a parallel sample that shares a lease's whole blocks. Pure Python: the KV pool is
+handed in as an opaque object whose only method used here is ``copy_block(src, dst)``.
+
+Invariants (``check()`` verifies them; the property tests run it after every step):
+
+1. every block's reference count = (1 if the tree holds it) + the live leases holding it;
+2. a lease's first ``committed`` blocks are exactly the tree's blocks on the path to the node it
+   has locked, and none of its other blocks belongs to the tree. So a block a running request
+   holds is never evictable, and every evictable block is held by the tree alone: evicting k of
+   them frees exactly k (``freeable_blocks`` is exact);
+3. ``lease.computed`` tokens have K/V in ``lease.blocks``; nothing is ever written into a block
+   that the tree or another lease holds (partial blocks are copied, copy on write).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+from radixcache.blocks import BlockAllocator
+from radixcache.errors import CacheError, OutOfBlocks
+from radixcache.tree import Match, Namespace, Node, RadixCache, as_token_tuple
+
+
+@dataclass(eq=False)
+class Lease:
+    """One sequence's hold on the cache. Owned by the manager: callers read it, never write it.
+
+    ``blocks[i]`` holds the K/V of positions ``i*bs .. i*bs+bs-1``; ``computed`` leading tokens
+    have K/V there; ``committed`` leading whole blocks are in the tree; ``cached_tokens`` prompt
+    tokens were served from the cache at admission (what the server reports as
+    ``usage.prompt_tokens_details.cached_tokens``).
+    """
+
+    namespace: Namespace
+    blocks: list
+    node: Node | None
+    computed: int = 0
+    committed: int = 0
+    cached_tokens: int = 0
+    released: bool = False
+    committed_tokens: tuple = ()  # the tokens of the committed blocks (checked on every commit)
+
+
+@dataclass
+class Ledger:
+    """The statistics of every request the manager served (the one ledger; counters in tokens)."""
+
+    requests: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    fallbacks: int = 0
+    fallback_reasons: dict = field(default_factory=dict)
+
+
+class CacheManager:
+    """The single owner of an allocator, a radix tree, their lock and the statistics ledger.
+
+    Thread-safe: every method takes ``lock`` (an RLock), which callers may also hold across several
+    calls. Failed calls change nothing and leave no lock or reference behind.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, *, pool=None,
+                 clock=time.monotonic):
+        self.allocator = BlockAllocator(num_blocks)
+        self.tree = RadixCache(self.allocator, block_size)
+        self.block_size = block_size
+        self.pool = pool
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.ledger = Ledger()
+        self._live: dict[int, Lease] = {}
+
+    # ------------------------------------------------------------------ the lifecycle
+    def admit(self, tokens: Sequence[int], namespace: Namespace = (), *, count: bool = True) -> Lease:
+        """Start a sequence of ``tokens`` (at least one): match ``tokens[:-1]``, pin the match and
+        hold its blocks; copy a matching partial tail into a block of the lease's own when one is
+        free or freeable (else the tail is recomputed). ``count=False`` (a preempted sequence coming
+        back) keeps it out of the ledger. Raises TypeError/ValueError for bad tokens, before any
+        change; never OutOfBlocks."""
+        tokens = as_token_tuple(tokens)
+        if not tokens:
+            raise ValueError("empty prompt: a request needs at least one token")
+        with self.lock:
+            m = self.tree.match(tokens[:-1], namespace)
+            self.tree.lock(m.node)
+            self.allocator.retain(m.blocks)
+            lease = Lease(namespace, list(m.blocks), m.node, m.length, len(m.blocks),
+                          committed_tokens=tokens[:m.length])
+            if m.tail_length and self.pool is not None:
+                self._copy_tail(lease, m)
+            lease.cached_tokens = lease.computed
+            self._live[id(lease)] = lease
+            if count:
+                led = self.ledger
+                led.requests += 1
+                led.queried_tokens += len(tokens)
+                led.hit_tokens += lease.cached_tokens
+                led.computed_prompt_tokens += len(tokens) - lease.cached_tokens
+            return lease
+
+    def grow(self, lease: Lease, length: int) -> None:
+        """Give ``lease`` blocks for ``length`` tokens, allocating only what is missing and evicting
+        LRU leaves when short. Raises OutOfBlocks, with nothing changed, when even eviction cannot
+        supply them; the message says what is needed, free, freeable and held by running requests."""
+        with self.lock:
+            self._check_live(lease, "grow")
+            need = -(-length // self.block_size) - len(lease.blocks)
+            if need > 0:
+                lease.blocks.extend(self._allocate(need, f"{length} tokens"))
+
+    def can_grow(self, lease: Lease, length: int) -> bool:
+        """Whether ``grow(lease, length)`` would succeed now (for schedulers deciding to preempt)."""
+        with self.lock:
+            need = -(-length // self.block_size) - len(lease.blocks)
+            return need <= self.freeable_blocks()
+
+    def commit(self, lease: Lease, tokens: Sequence[int], computed: int) -> None:
+        """Record that ``tokens[:computed]`` have K/V in ``lease.blocks`` and put the whole blocks
+        not yet in the tree into it at once (one tree walk); the lease's lock moves down to the new
+        end of its path, and blocks another request cached first are swapped for the tree's."""
+        with self.lock:
+            self._check_live(lease, "commit")
+            bs = self.block_size
+            if not lease.computed <= computed <= min(len(tokens), len(lease.blocks) * bs):
+                raise CacheError(f"commit: computed={computed} must lie in {lease.computed}.."
+                                 f"{min(len(tokens), len(lease.blocks) * bs)} (tokens and blocks)")
+            full = computed // bs
+            if full <= lease.committed:
+                lease.computed = computed
+                return
+            whole = as_token_tuple(tokens[:full * bs])
+            done = len(lease.committed_tokens)
+            if whole[:done] != lease.committed_tokens:
+                raise CacheError("commit: the tokens differ from the ones committed before")
+            got = self.tree.adopt(whole, lease.blocks[:full], lease.namespace)
+            lease.computed = computed
+            lease.committed_tokens = whole
+            self.tree.lock(got.node)
+            self.tree.unlock(lease.node)
+            lease.node = got.node
+            for i in range(lease.committed, full):
+                mine, tree_block = lease.blocks[i], got.blocks[i]
+                if mine != tree_block:  # another request cached this block first
+                    self.allocator.retain([tree_block])
+                    self.allocator.release([mine])
+                    lease.blocks[i] = tree_block
+            lease.committed = full
+
+    def fork(self, lease: Lease, tokens: Sequence[int]) -> Lease:
+        """A parallel sample of ``lease`` (whose ``tokens[:lease.computed]`` are computed): commits
+        ``lease``'s whole blocks, then shares them (retained, path locked) and gives the new lease
+        a copy of the partial last block. OutOfBlocks, with nothing changed, when no block is free
+        or freeable for that copy."""
+        with self.lock:
+            self._check_live(lease, "fork")
+            full, partial = divmod(lease.computed, self.block_size)
+            pool = self._pool("fork") if partial else None
+            if partial and self.freeable_blocks() < 1:  # checked first: a failed fork commits nothing
+                self._allocate(1, "the copy of a partial block")
+            self.commit(lease, tokens, lease.computed)
+            copy = self._allocate(1, "the copy of a partial block") if partial else []
+            if copy:
+                self._copy(pool, lease.blocks[full], copy)
+            shared = lease.blocks[:full]
+            self.allocator.retain(shared)
+            self.tree.lock(lease.node)
+            child = Lease(lease.namespace, shared + copy, lease.node, lease.computed, full,
+                          lease.cached_tokens, committed_tokens=lease.committed_tokens)
+            self._live[id(child)] = child
+            return child
+
+    def release(self, lease: Lease, tokens: Sequence[int] | None = None) -> None:
+        """End ``lease`` (finished, preempted, aborted or failed alike). With ``tokens`` (at least
+        ``lease.computed`` of them) what was computed is committed first, its partial last block
+        kept in the tree as a tail. Then the lock and every reference the lease holds are dropped.
+        A second release is a no-op."""
+        with self.lock:
+            if lease.released:
+                return
+            try:
+                if tokens is not None:
+                    if len(tokens) < lease.computed:
+                        raise CacheError(f"release: {len(tokens)} tokens, but {lease.computed} "
+                                         "were computed")
+                    self.commit(lease, tokens, lease.computed)
+                    full, partial = divmod(lease.computed, self.block_size)
+                    if partial:
+                        self.tree.insert(tokens[:lease.computed], lease.blocks[:full],
+                                         lease.namespace, tail_block=lease.blocks[full])
+            finally:  # whatever happened above, the lease lets go of everything
+                self.tree.unlock(lease.node)
+                self.allocator.release(lease.blocks)
+                lease.node, lease.blocks, lease.released = None, [], True
+                del self._live[id(lease)]
+
+    # ------------------------------------------------------------------ ledger and sizes
+    def record_generated(self, n: int) -> None:
+        """Count ``n`` generated tokens."""
+        with self.lock:
+            self.ledger.generated_tokens += n
+
+    def record_preemption(self) -> None:
+        """Count one preempted sequence."""
+        with self.lock:
+            self.ledger.preemptions += 1
+
+    def record_fallback(self, reason: str) -> None:
+        """Count one request served without the cache, and why."""
+        with self.lock:
+            led = self.ledger
+            led.fallbacks += 1
+            led.fallback_reasons[reason] = led.fallback_reasons.get(reason, 0) + 1
+
+    def freeable_blocks(self) -> int:
+        """Blocks an allocation can get now: the free ones plus those eviction would free."""
+        with self.lock:
+            return self.allocator.num_free + self.tree.evictable_blocks
+
+    def stats(self) -> dict:
+        """The ledger (``hit_rate`` = hit / queried tokens) and the sizes in tokens: ``cached_tokens``
+        (held by the tree), ``pinned_tokens``, ``evictable_tokens``, ``free_tokens``,
+        ``capacity_tokens``, ``evicted_tokens``, and ``running`` (live leases)."""
+        with self.lock:
+            led, tree, bs = self.ledger, self.tree, self.block_size
+            out = {f.name: getattr(led, f.name) for f in fields(led)}
+            out["fallback_reasons"] = dict(led.fallback_reasons)
+            out["hit_rate"] = led.hit_tokens / led.queried_tokens if led.queried_tokens else 0.0
+            out.update(cached_tokens=tree.cached_blocks * bs, pinned_tokens=tree.pinned_blocks * bs,
+                       evictable_tokens=tree.evictable_blocks * bs,
+                       free_tokens=self.allocator.num_free * bs,
+                       capacity_tokens=self.allocator.num_blocks * bs,
+                       evicted_tokens=tree.stats.evicted_blocks * bs, running=len(self._live))
+            return out
+
+    def reset_stats(self) -> None:
+        """Zero the ledger (the cache's contents stay)."""
+        with self.lock:
+            self.ledger = Ledger()
+
+    def clear(self) -> None:
+        """Drop every cached prefix that no live lease holds."""
+        with self.lock:
+            self.tree.reset()
+
+    def check(self) -> None:
+        """Verify the tree's invariants and the manager's (module docstring); AssertionError says
+        what is wrong."""
+        with self.lock:
+            self.tree.check()
+            held = 0
+            for lease in self._live.values():
+                path = self.tree.path_blocks(lease.node)
+                assert list(path) == lease.blocks[:lease.committed], \
+                    f"{lease}: committed blocks are not the tree's path to its locked node"
+                assert not any(self.tree.holds(b) for b in lease.blocks[lease.committed:]), \
+                    f"{lease}: holds a tree block off its locked path"
+                assert lease.computed <= len(lease.blocks) * self.block_size
+                held += len(lease.blocks)
+            alloc = self.allocator
+            total = sum(alloc.refcount(b) for b in range(alloc.num_blocks))
+            assert total == self.tree.cached_blocks + held, \
+                f"reference counts sum to {total}, tree {self.tree.cached_blocks} + leases {held}"
+
+    # ------------------------------------------------------------------ helpers
+    def _allocate(self, n: int, what: str) -> list:
+        free = self.allocator.num_free
+        if n > free:
+            evictable = self.tree.evictable_blocks
+            if n > free + evictable:
+                running = sum(len(x.blocks) for x in self._live.values())
+                raise OutOfBlocks(
+                    f"{what} need {n} more blocks of {self.block_size} tokens: {free} are free and "
+                    f"{evictable} more could be evicted; {len(self._live)} running requests hold "
+                    f"{running} (pool: {self.allocator.num_blocks} blocks): raise max_cache_tokens "
+                    f"or run fewer or shorter requests at once")
+            self.tree.evict(n - free)
+        return self.allocator.allocate(n)
+
+    def _copy_tail(self, lease: Lease, m: Match) -> None:
+        if self.allocator.num_free < 1 and self.tree.evictable_blocks < 2:
+            return  # the only block eviction could take is the tail itself
+        self.allocator.retain([m.tail_block])  # the eviction for the copy must not free the source
+        try:
+            copy = self._allocate(1, "the copy of a partial tail")
+            self._copy(self.pool, m.tail_block, copy)
+        finally:
+            self.allocator.release([m.tail_block])
+        lease.blocks.extend(copy)
+        lease.computed += m.tail_length
+
+    def _copy(self, pool, src: int, copy: list) -> None:
+        try:
+            pool.copy_block(src, copy[0])
+        except BaseException:
+            self.allocator.release(copy)
+            raise
+
+    def _pool(self, what: str):
+        if self.pool is None:
+            raise CacheError(f"{what}: copying a partial block needs the manager's pool")
+        return self.pool
+
+    def _check_live(self, lease: Lease, what: str) -> None:
+        if not isinstance(lease, Lease):
+            raise TypeError(f"{what}: expected a Lease from admit(), got {type(lease).__name__}")
+        if lease.released or self._live.get(id(lease)) is not lease:
+            raise CacheError(f"{what}: the lease was released (or belongs to another manager)")
+
+    def __repr__(self) -> str:
+        return (f"CacheManager(block_size={self.block_size}, blocks={self.allocator.num_blocks}, "
+                f"free={self.allocator.num_free}, running={len(self._live)})")

@@ -1,0 +1,107 @@
+"""CacheManager unit tests: the messages and error paths the property machine does not name."""
+
+import pytest
+
+from radixcache import CacheError, OutOfBlocks
+from radixcache.manager import CacheManager
+from test_manager_properties import ContentPool
+
+BS = 4
+
+
+def make(num_blocks=8):
+    pool = ContentPool(num_blocks, BS)
+    return CacheManager(num_blocks, BS, pool=pool), pool
+
+
+def run(mgr, tokens, namespace=()):
+    """Admit, grow, 'compute' and finish ``tokens``; return the lease (released)."""
+    lease = mgr.admit(tokens, namespace)
+    mgr.grow(lease, len(tokens))
+    mgr.commit(lease, tokens, len(tokens))
+    mgr.release(lease, tokens)
+    return lease
+
+
+def test_out_of_blocks_names_free_evictable_and_running():
+    """The message counts free blocks and evictable ones separately (issue 8, problem 4)."""
+    mgr, _ = make(8)
+    run(mgr, tuple(range(12)))            # 3 blocks cached, evictable
+    hog = mgr.admit((100, 101))
+    mgr.grow(hog, 8)                      # 2 blocks held by a running request
+    lease = mgr.admit((200, 201))
+    before = (mgr.allocator.num_free, mgr.tree.cached_blocks, list(lease.blocks))
+    with pytest.raises(OutOfBlocks, match=r"3 are free and 3 more could be evicted; 2 running "
+                                          r"requests hold 2"):
+        mgr.grow(lease, 40)
+    assert (mgr.allocator.num_free, mgr.tree.cached_blocks, list(lease.blocks)) == before
+    assert mgr.can_grow(lease, 24) and not mgr.can_grow(lease, 28)
+    mgr.grow(lease, 24)                   # 6 blocks: 3 free + 3 evicted
+    assert mgr.tree.cached_blocks == 0
+    for x in (hog, lease):
+        mgr.release(x)
+    mgr.check()
+
+
+def test_commit_refuses_tokens_that_differ_from_what_was_committed():
+    mgr, _ = make()
+    tokens = tuple(range(14))
+    lease = mgr.admit(tokens)
+    mgr.grow(lease, 12)
+    mgr.commit(lease, tokens, 8)
+    before = (mgr.tree.cached_blocks, lease.computed, list(lease.blocks))
+    with pytest.raises(CacheError, match="differ"):
+        mgr.commit(lease, (9,) + tokens[1:], 12)
+    with pytest.raises(CacheError, match="computed"):
+        mgr.commit(lease, tokens, 4)      # computed never goes back
+    assert (mgr.tree.cached_blocks, lease.computed, list(lease.blocks)) == before
+    mgr.release(lease, tokens)
+    mgr.check()
+
+
+def test_ledger_counts_admissions_and_resets():
+    mgr, _ = make()
+    run(mgr, tuple(range(9)))
+    lease = mgr.admit(tuple(range(9)) + (50,))
+    assert lease.cached_tokens == 9       # 2 whole blocks + the 1-token tail
+    mgr.release(lease)
+    again = mgr.admit(tuple(range(9)), count=False)  # a resumed sequence is not counted twice
+    mgr.release(again)
+    s = mgr.stats()
+    assert (s["requests"], s["queried_tokens"], s["hit_tokens"]) == (2, 19, 9)
+    assert s["hit_rate"] == pytest.approx(9 / 19)
+    assert s["cached_tokens"] == 12 and s["capacity_tokens"] == 32 and s["running"] == 0
+    mgr.record_generated(5)
+    mgr.record_fallback("beam search")
+    mgr.record_preemption()
+    s = mgr.stats()
+    assert (s["generated_tokens"], s["fallbacks"], s["fallback_reasons"], s["preemptions"]) == \
+        (5, 1, {"beam search": 1}, 1)
+    mgr.reset_stats()
+    assert mgr.stats()["requests"] == 0 and mgr.stats()["cached_tokens"] == 12
+
+
+def test_release_lets_go_even_when_its_commit_fails():
+    mgr, _ = make()
+    tokens = tuple(range(6))
+    lease = mgr.admit(tokens)
+    mgr.grow(lease, 6)
+    mgr.commit(lease, tokens, 6)
+    with pytest.raises(CacheError):
+        mgr.release(lease, tokens[:3])    # fewer tokens than computed
+    assert lease.released and mgr.stats()["running"] == 0 and mgr.stats()["pinned_tokens"] == 0
+    mgr.check()
+
+
+def test_fork_needs_a_pool_for_a_partial_block():
+    mgr = CacheManager(8, BS)
+    tokens = (1, 2, 3, 4, 5, 6)
+    lease = mgr.admit(tokens)
+    mgr.grow(lease, 6)
+    mgr.commit(lease, tokens, 6)
+    with pytest.raises(CacheError, match="pool"):
+        mgr.fork(lease, tokens)
+    mgr.release(lease, tokens)
+    again = mgr.admit((1, 2, 3, 4, 5, 6, 7))
+    assert again.cached_tokens == 4       # no pool: a tail cannot be copied, so it is recomputed
+    mgr.release(again)
