@@ -81,6 +81,17 @@ def token_bytes(tokens) -> bytes:
     return token_bytes(list(tokens))
 
 
+def as_token_tuple(tokens) -> tuple:
+    """Validate ``tokens`` as ``token_bytes`` does and return them as a tuple of Python ints."""
+    if type(tokens) is tuple or type(tokens) is list:
+        try:
+            array("I", tokens)  # C-speed check: every item an int in 0 .. 2**32-1
+        except (TypeError, OverflowError):
+            raise _bad_token(tokens) from None
+        return tuple(tokens)
+    return tuple(unpack(token_bytes(tokens)))
+
+
 def unpack(data: bytes) -> array:
     """Packed token bytes back as an ``array('I')`` of ids."""
     out = array("I")

@@ -25,11 +25,12 @@ import numpy as np
 from radixcache.blocks import BlockAllocator, as_block_ids, has_duplicates
 from radixcache.errors import CacheError
 from radixcache.nodes import HandleTable, Node
-from radixcache.tokens import token_bytes, unpack
+from radixcache.tokens import as_token_tuple, token_bytes, unpack
 from radixcache.tree_body import TreeBody
 from radixcache.tree_check import check_tree
 
 Namespace = tuple
+__all__ = ["LIVE_CACHES", "Adopted", "CacheStats", "Match", "Namespace", "Node", "RadixCache", "as_token_tuple"]
 
 # Every RadixCache alive in the process; the test suite's leak check walks it.
 LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
@@ -313,25 +314,29 @@ class RadixCache:
     # ----------------------------------------------------------------- introspection
     def path_blocks(self, node: Node) -> tuple:
         """The blocks on the path from the namespace root down to ``node`` (no side effect)."""
-        self._check_node(node, "path_blocks")
-        runs = []
-        while node is not None:
-            runs.append(node.blocks)
-            node = node.parent
-        return tuple(b for run in reversed(runs) for b in run)
+        i = self._node_id(node, "path_blocks")
+        store, runs = self.store, []
+        while i >= 0:
+            runs.append(store.blocks[i])
+            i = store.parent[i]
+        return tuple(memoryview(b"".join(reversed(runs))).cast("I"))
 
     def holds(self, block: int) -> bool:
         """True when the tree holds a reference on ``block`` (a node or a partial tail owns it)."""
-        return bool(self._in_tree[block])
+        return bool(self.body.in_tree[block])
 
     def nodes(self):
         """Yield a handle on every non-root node, partial tails included (depth first, parents
-        before children)."""
+        before children). The handles stay alive until the iteration ends, so ``node.parent`` is
+        the very handle yielded before (``id`` works as a key while iterating)."""
         body = self.body
         stack = [c for r in body.root_ns for c in body.below(r)]
+        yielded = []
         while stack:
             i = stack.pop()
-            yield self.handle_of(i)
+            handle = self.handle_of(i)
+            yielded.append(handle)
+            yield handle
             stack.extend(body.below(i))
 
     def check(self) -> None:

@@ -546,8 +546,8 @@ class CacheMachine(RuleBasedStateMachine):
         # 2 (whole tree): every block of every node was written for the prefix it sits at.
         paths, seen = {}, set()
         for node in tree.nodes():
-            above = paths.get(node.parent, ())
-            path = paths[node] = above + tuple(node.key)
+            above = paths.get(id(node.parent), ())
+            path = paths[id(node)] = above + tuple(node.key)
             first = len(above) // bs
             for j, b in enumerate(node.blocks):
                 assert self.content.get(b) == (node.namespace, path[:(first + j + 1) * bs]), \
