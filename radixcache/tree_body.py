@@ -29,41 +29,10 @@ import numpy as np
 from radixcache.blocks import VECTOR_MIN, BlockAllocator
 from radixcache.nodes import NodeStore
 from radixcache.recency import Recency
+from radixcache.tokens import common_blocks, common_tokens
 
 TAIL_SCAN = 32  # children scanned for a partially matching first block (more: only the tail is tried)
 _NO_BLOCKS = b""
-
-
-def common_tokens(a: bytes, b: bytes) -> int:
-    """How many leading tokens two packed token strings share."""
-    n = min(len(a), len(b)) >> 2
-    if a[:4] != b[:4]:
-        return 0
-    if a[:4 * n] == b[:4 * n]:
-        return n
-    lo, hi = 1, n  # tokens [0, lo) are equal; some token in [lo, hi) differs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[4 * lo:4 * mid] == b[4 * lo:4 * mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def common_blocks(key: bytes, q: bytes, pos: int, end: int, bs4: int) -> int:
-    """How many whole blocks of ``key`` equal ``q[pos:end]`` (the first block is known equal)."""
-    m = min(len(key), end - pos) // bs4
-    if q[pos:pos + m * bs4] == key[:m * bs4]:
-        return m
-    lo, hi = 1, m  # blocks [0, lo) are equal; some block in [lo, hi) differs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if q[pos + lo * bs4:pos + mid * bs4] == key[lo * bs4:mid * bs4]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class TreeBody:

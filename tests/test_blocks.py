@@ -265,47 +265,55 @@ OPS = st.lists(
 )
 
 
+def model_step(alloc, model, n, op, k, ids, arg=None):
+    """One allocate/retain/release (of ``arg``, the same ids as ``ids`` in some container) against
+    the Counter model: a valid call does exactly +1/-1 per id, an invalid one raises and changes
+    nothing; afterwards every count agrees and num_free + used == num_blocks."""
+    arg = ids if arg is None else arg
+    before = snapshot(alloc)
+    if op == "allocate":
+        free = n - len(+model)
+        if k > free:
+            with pytest.raises(OutOfBlocks):
+                alloc.allocate(k)
+            assert snapshot(alloc) == before
+            return
+        got = alloc.allocate(k)
+        assert len(set(got)) == k and not any(model[b] for b in got)
+        model.update(got)
+    else:
+        in_range = all(0 <= b < n for b in ids)
+        need = Counter(ids)
+        if op == "retain":
+            ok = in_range and all(model[b] >= 1 for b in ids)
+        else:
+            ok = in_range and all(model[b] >= c for b, c in need.items())
+        if not ok:
+            with pytest.raises(CacheError):
+                getattr(alloc, op)(arg)
+            assert snapshot(alloc) == before
+            return
+        getattr(alloc, op)(arg)
+        if op == "retain":
+            model.update(ids)
+        else:
+            model.subtract(ids)
+    assert [alloc.refcount(b) for b in range(n)] == [model[b] for b in range(n)]
+    assert alloc.refcounts().tolist() == [model[b] for b in range(n)]
+    used = sum(1 for b in range(n) if model[b] > 0)
+    assert alloc.num_free + used == n
+
+
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(OPS)
 def test_allocator_matches_a_counter_model(ops):
     """Random allocate/retain/release sequences (including invalid ones) agree with a plain
     Counter model: valid calls do exactly +1/-1, invalid calls raise and change nothing, and
     num_free + used == num_blocks throughout."""
-    n = 8
-    alloc = BlockAllocator(n)
+    alloc = BlockAllocator(8)
     model = Counter()
     for op, k, ids in ops:
-        before = snapshot(alloc)
-        if op == "allocate":
-            free = n - len(+model)
-            if k > free:
-                with pytest.raises(OutOfBlocks):
-                    alloc.allocate(k)
-                assert snapshot(alloc) == before
-                continue
-            got = alloc.allocate(k)
-            assert len(set(got)) == k and not any(model[b] for b in got)
-            model.update(got)
-        else:
-            in_range = all(0 <= b < n for b in ids)
-            need = Counter(ids)
-            if op == "retain":
-                ok = in_range and all(model[b] >= 1 for b in ids)
-            else:
-                ok = in_range and all(model[b] >= c for b, c in need.items())
-            if not ok:
-                with pytest.raises(CacheError):
-                    getattr(alloc, op)(ids)
-                assert snapshot(alloc) == before
-                continue
-            getattr(alloc, op)(ids)
-            if op == "retain":
-                model.update(ids)
-            else:
-                model.subtract(ids)
-        assert [alloc.refcount(b) for b in range(n)] == [model[b] for b in range(n)]
-        used = sum(1 for b in range(n) if model[b] > 0)
-        assert alloc.num_free + used == n
+        model_step(alloc, model, 8, op, k, ids)
 
 
 # --------------------------------------------------------------------------- long calls (numpy path)
@@ -340,37 +348,10 @@ def test_long_calls_match_a_counter_model(ops):
     alloc = BlockAllocator(BIG)
     model = Counter()
     for op, k, ids, kind in ops:
-        before = snapshot(alloc)
-        if op == "allocate":
-            if k > BIG - len(+model):
-                with pytest.raises(OutOfBlocks):
-                    alloc.allocate(k)
-                assert snapshot(alloc) == before
-                continue
-            got = alloc.allocate(k)
-            assert len(set(got)) == k and not any(model[b] for b in got)
-            model.update(got)
-        else:
-            if kind != "numpy" and not ids[0] % 3:  # ids that are mostly held, so calls succeed
-                held = sorted(+model)
-                ids = [held[i % len(held)] for i in ids if i >= 0] if held else ids
-            need = Counter(ids)
-            in_range = all(0 <= b < BIG for b in ids)
-            ok = in_range and all(model[b] >= (1 if op == "retain" else c) for b, c in need.items())
-            arg = as_container(ids, kind)
-            if not ok:
-                with pytest.raises(CacheError):
-                    getattr(alloc, op)(arg)
-                assert snapshot(alloc) == before
-                continue
-            getattr(alloc, op)(arg)
-            if op == "retain":
-                model.update(ids)
-            else:
-                model.subtract(ids)
-        assert [alloc.refcount(b) for b in range(BIG)] == [model[b] for b in range(BIG)]
-        assert alloc.refcounts().tolist() == [model[b] for b in range(BIG)]
-        assert alloc.num_free == sum(1 for b in range(BIG) if model[b] == 0)
+        if op != "allocate" and kind != "numpy" and not ids[0] % 3:  # mostly held ids: calls succeed
+            held = sorted(+model)
+            ids = [held[i % len(held)] for i in ids if i >= 0] if held else ids
+        model_step(alloc, model, BIG, op, k, ids, as_container(ids, kind))
 
 
 def test_long_calls_refuse_non_ints_and_bools_anywhere():
