@@ -54,11 +54,14 @@ def as_block_ids(blocks, what: str) -> array:
         ids = array("I", blocks)
     except (TypeError, OverflowError):
         raise _bad_id(blocks, what) from None
-    # array('I') takes True and False as 1 and 0; ``in`` finds them (and the ints 1 and 0) at C speed.
-    if True in blocks or False in blocks:
-        for block in blocks:
-            if isinstance(block, bool):
-                raise TypeError(f"{what}: block ids are ints, got {block!r}")
+    # array('I') takes True and False as 1 and 0: look for bools where those values are.
+    if len(ids) < VECTOR_MIN:
+        suspects = blocks if True in blocks or False in blocks else ()
+    else:
+        suspects = [blocks[i] for i in np.flatnonzero(np.frombuffer(ids, np.uint32) <= 1).tolist()]
+    for block in suspects:
+        if isinstance(block, bool):
+            raise TypeError(f"{what}: block ids are ints, got {block!r}")
     return ids
 
 
@@ -190,13 +193,14 @@ class BlockAllocator:
                              f"the caller must hold its blocks")
         return ids
 
-    def retain_checked(self, ids: array) -> None:
-        """``retain`` for ids ``check_held`` returned (the hot path of tree inserts)."""
+    def retain_checked(self, ids: array, distinct: bool = False) -> None:
+        """``retain`` for ids ``check_held`` returned (the hot path of tree inserts); ``distinct``
+        says the caller knows no id is named twice."""
         if len(ids) < VECTOR_MIN:
             counts = self._counts
             for block in ids:
                 counts[block] += 1
-        elif has_duplicates(ids):
+        elif not distinct and has_duplicates(ids):
             np.add.at(self._view(), np.frombuffer(ids, np.uint32), 1)
         else:
             self._view()[np.frombuffer(ids, np.uint32)] += 1

@@ -201,7 +201,7 @@ class TreeBody:
         if store.kids[node] is None:
             store.kids[node] = {}
         store.kids[node][key[:self.bs4]] = child
-        self.allocator.retain_checked(blocks)
+        self.allocator.retain_checked(blocks, distinct=True)
         self.mark(blocks, 1)
         self.cached += len(blocks)
         return child
