@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -187,7 +188,7 @@ class RadixCache:
             body.touch(node)
         self.stats.queried_tokens += len(q) >> 2
         self.stats.hit_tokens += pos >> 2
-        blocks = tuple(memoryview(blocks).cast("I"))
+        blocks = tuple(array("I", blocks))
         if tail < 0:
             return Match(pos >> 2, blocks, self.handle_of(node))
         return Match(pos >> 2, blocks, self.handle_of(node), tail_length, unpack(self.store.blocks[tail])[0])
@@ -213,7 +214,7 @@ class RadixCache:
         shorter tail is replaced, and no tail is kept where a whole-block child covers it.
         All arguments are checked before anything changes.
         """
-        return self.adopt(tokens, blocks, namespace, tail_block).cached
+        return self._adopt(tokens, blocks, namespace, tail_block)[0] >> 2
 
     def adopt(self, tokens: Sequence[int], blocks: Sequence[int], namespace: Namespace = (),
               tail_block: int | None = None) -> Adopted:
@@ -221,6 +222,11 @@ class RadixCache:
         namespace root when there is none), ready to ``lock``, and the tree's block ids for every
         whole block (the caller's where they were adopted, the tree's own where the content was
         cached already: a caller holding a duplicate may swap it for the tree's), in one walk."""
+        pos, node, path = self._adopt(tokens, blocks, namespace, tail_block)
+        return Adopted(pos >> 2, self.handle_of(node), tuple(array("I", path)))
+
+    def _adopt(self, tokens, blocks, namespace, tail_block) -> tuple[int, int, bytearray]:
+        """The insertion; returns (cached bytes, end node id, the tree's packed block ids)."""
         q = token_bytes(tokens)
         namespace = _check_namespace(namespace)
         body = self.body
@@ -259,7 +265,7 @@ class RadixCache:
             body.keep_tail(node, q[nblocks * bs4:], tail)
         if self.store.parent[node] >= 0:
             body.touch(node)
-        return Adopted(pos >> 2, self.handle_of(node), tuple(memoryview(path).cast("I")))
+        return pos, node, path
 
     # ----------------------------------------------------------------- pins and retention
     def lock(self, node: Node) -> None:
@@ -319,7 +325,7 @@ class RadixCache:
         while i >= 0:
             runs.append(store.blocks[i])
             i = store.parent[i]
-        return tuple(memoryview(b"".join(reversed(runs))).cast("I"))
+        return tuple(array("I", b"".join(reversed(runs))))
 
     def holds(self, block: int) -> bool:
         """True when the tree holds a reference on ``block`` (a node or a partial tail owns it)."""

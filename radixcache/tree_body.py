@@ -111,7 +111,7 @@ class TreeBody:
         """The ids among ``ids`` that the tree holds."""
         marks = self.in_tree
         if len(ids) < VECTOR_MIN:
-            return [b for b in ids if marks[b]]
+            return [b for b in ids if marks[b]] if any(map(marks.__getitem__, ids)) else []
         v = np.frombuffer(ids, np.uint32)
         return v[np.frombuffer(marks, np.uint8)[v] != 0].tolist()
 
@@ -267,7 +267,7 @@ class TreeBody:
         ``radixcache.recency``), a leaf's deepest blocks first; returns how many were dropped.
         ``now`` is called for the time only when some leaf is retained."""
         store, recency, bs4 = self.store, self.recency, self.bs4
-        if recency.kept:
+        if recency.retained:
             recency.expire(now())
         dropped = 0
         gone = bytearray()
