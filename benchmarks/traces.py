@@ -154,7 +154,8 @@ def agent_trace(decode_tokens_per_s: float, params: dict = AGENT_PARAMS) -> Trac
     starts = np.cumsum(rng.exponential(1.0 / p["session_rate_per_s"], size=p["sessions"]))
     rows = []  # (arrival, session, turn, input, output, continues)
     for s in range(p["sessions"]):
-        t, prompt = starts[s], p["preamble_tokens"] + int(_lognormal(rng, tool_median, p["turn_tokens_sigma"]))
+        first = int(_lognormal(rng, tool_median, p["turn_tokens_sigma"]))
+        t, prompt = starts[s], p["preamble_tokens"] + first
         for k in range(turns[s]):
             out = max(1, int(round(rng.exponential(prompt / p["input_output_ratio"]))))
             rows.append((t, s, k, prompt, out, k + 1 < turns[s]))

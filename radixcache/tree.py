@@ -31,7 +31,8 @@ from radixcache.tree_body import TreeBody
 from radixcache.tree_check import check_tree
 
 Namespace = tuple
-__all__ = ["LIVE_CACHES", "Adopted", "CacheStats", "Match", "Namespace", "Node", "RadixCache", "as_token_tuple"]
+__all__ = ["LIVE_CACHES", "Adopted", "CacheStats", "Match", "Namespace", "Node", "RadixCache",
+           "as_token_tuple"]
 
 # Every RadixCache alive in the process; the test suite's leak check walks it.
 LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()

@@ -55,7 +55,8 @@ def turn(mgr, pool, tokens, namespace, generate, hint_s):
         mgr.grow(lease, len(tokens))
         for p in range(lease.computed, len(tokens)):
             block = lease.blocks[p // BS]
-            assert mgr.allocator.refcount(block) == 1 and not mgr.tree.holds(block), "write into a shared block"
+            assert mgr.allocator.refcount(block) == 1 and not mgr.tree.holds(block), \
+                "write into a shared block"
             pool.cells[block][p % BS] = (namespace, tuple(tokens[:p + 1]))
         mgr.commit(lease, tokens, len(tokens))
         content = [pool.cells[lease.blocks[p // BS]][p % BS] for p in range(len(tokens))]
@@ -70,7 +71,8 @@ def turn(mgr, pool, tokens, namespace, generate, hint_s):
 
 SESSIONS = st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
                               st.sampled_from([(), ("tenant",)])), min_size=1, max_size=4)
-STEPS = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3), st.lists(st.integers(0, VOCAB - 1), max_size=5),
+STEPS = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3),
+                           st.lists(st.integers(0, VOCAB - 1), max_size=5),
                            st.sampled_from([0.0, 1.0, 5.0, 30.0])), min_size=1, max_size=14)
 
 

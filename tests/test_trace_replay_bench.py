@@ -61,7 +61,8 @@ def test_ideal_is_an_unbounded_cache_in_event_order(tmp_path):
 ])
 def test_mooncake_loader_names_the_bad_line(tmp_path, record, what):
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(MOONCAKE[0]) + "\n" + (record if isinstance(record, str) else json.dumps(record)))
+    bad = record if isinstance(record, str) else json.dumps(record)
+    path.write_text(json.dumps(MOONCAKE[0]) + "\n" + bad)
     with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{what}|bad.jsonl:2: {what}"):
         load_mooncake(str(path))
 

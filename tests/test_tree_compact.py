@@ -17,7 +17,8 @@ def build(tree, n, length, seed=0):
     alloc, bs = tree.allocator, tree.block_size
     prefixes = rng.integers(0, 2**32, size=(3, length // 2), dtype=np.uint32)
     for i in range(n):
-        tokens = np.concatenate([prefixes[i % 3], rng.integers(0, 2**32, length - length // 2, dtype=np.uint32)])
+        own = rng.integers(0, 2**32, length - length // 2, dtype=np.uint32)
+        tokens = np.concatenate([prefixes[i % 3], own])
         tail = i % 2 and length % bs
         blocks = alloc.allocate(length // bs + bool(tail))
         tree.adopt(tokens, blocks[:length // bs], tail_block=blocks[-1] if tail else None)
