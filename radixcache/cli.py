@@ -1,4 +1,4 @@
-"""The ``radixcache`` command line: ``kv-size`` (KV-cache sizing table) and ``demo``."""
+"""The ``radixcache`` command line: ``kv-size`` (KV-cache sizing table), ``demo`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -48,7 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
                       help="conversation turns (default 6)")
     demo.add_argument("--out", default="out/", metavar="DIR", help="output directory (default out/)")
     demo.set_defaults(handler=_demo)
+
+    from radixcache.integrations.serve import options as serve_options
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server",
+                                description="Serve a model over an OpenAI-compatible HTTP API "
+                                            "(/v1/chat/completions, /v1/completions, /v1/models, "
+                                            "/health, /metrics).")
+    serve_options.add_arguments(serve)
+    serve.set_defaults(handler=_serve)
     return parser
+
+
+def _serve(args) -> int:
+    from radixcache.integrations.serve.server import main as serve_main
+
+    return serve_main(args)
 
 
 def _kv_size(args, parser) -> int:
