@@ -144,11 +144,12 @@ def _job(state, kind: str, req, model: str, prompt_ids, key, **chat) -> Job:
 async def _respond(state, job: Job, request: Request):
     if state.engine is None:
         raise unavailable("no generation engine is attached to this server")
-    generation = Generation(state, job, state.gate.acquire())
+    slot = state.gate.acquire()
     try:
+        generation = Generation(state, job, slot)
         generation.start()
     except BaseException:
-        generation.close()
+        slot.release()
         raise
     if job.stream:
         return StreamingResponse(_stream(generation), media_type="text/event-stream")

@@ -5,7 +5,8 @@ deltas. It decodes a sliding window of ids (the last complete piece plus what is
 is what ``tokenizer.decode(ids, skip_special_tokens=True)`` gives, delivered incrementally, and a
 character split over several byte tokens is sent only once it is whole. Stop token ids (EOS) are
 never decoded. When a stop string appears, the text ends right before it (OpenAI leaves the stop
-string out) and ``stopped`` becomes True; until then, a tail that could still grow into a stop
+string out; of several, the one that is complete first, reading the text left to right) and
+``stopped`` becomes True; until then, a tail that could still grow into a stop
 string is held back, so nothing sent ever has to be taken back.
 """
 
@@ -58,9 +59,9 @@ class TextAssembler:
     def _add(self, delta: str, final: bool = False) -> str:
         start = max(0, len(self.text) - max((len(s) for s in self.stop_strings), default=0) + 1)
         self.text += delta
-        hits = [p for p in (self.text.find(s, start) for s in self.stop_strings) if p >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
+        hits = [(p + len(s), p) for s in self.stop_strings if (p := self.text.find(s, start)) >= 0]
+        if hits:  # the stop string completed first wins (so the cut does not depend on token size)
+            self.text = self.text[:min(hits)[1]]
             self.stopped = True
             end = len(self.text)
         else:

@@ -32,7 +32,8 @@ Contract of ``submit(request) -> AsyncIterator[TokenEvent]``:
 ``abort(request_id, index=None)`` ends one sample (the server's ``stop`` strings) or the whole
 request (client disconnect): its blocks are released at once (whole computed blocks stay in the
 tree), the stream yields the final "abort" events. It is idempotent and a no-op for unknown or
-finished requests. ``counts()`` is a cheap snapshot for ``/metrics``; ``limits()`` is constant.
+finished requests. After ``abort`` the server may stop reading the stream (a client that went away):
+the engine must never wait on a reader, and drops the events nobody reads. ``counts()`` is a cheap snapshot for ``/metrics``; ``limits()`` is constant.
 ``close()`` aborts everything and stops the scheduler thread.
 """
 

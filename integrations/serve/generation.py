@@ -142,7 +142,7 @@ class Generation:
                 if text:
                     yield Delta(event.index, text, None, None)
                 continue
-            more, calls, reason = choice.end("stop" if reason == "stop" else reason)
+            more, calls, reason = choice.end(reason)
             if self.finished:
                 await self._finished()
             yield Delta(event.index, text + more, calls, reason)

@@ -12,24 +12,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from radixcache.cli import positive_int
+
 DEFAULT_PORT = 8000
 DEFAULT_MAX_RUNNING = 64
 DEFAULT_MAX_QUEUE = 256
 API_KEY_ENV = "RADIXCACHE_API_KEY"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
-
-
 def _port(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
     return value
@@ -41,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    parser.add_argument("--max-cache-tokens", type=_positive_int, metavar="N", default=None,
+    parser.add_argument("--max-cache-tokens", type=positive_int, metavar="N", default=None,
                         help="KV pool size in tokens (default: 25%% of free RAM on CPU, 50%% of free GPU memory)")
-    parser.add_argument("--block-size", type=_positive_int, metavar="N", default=16,
+    parser.add_argument("--block-size", type=positive_int, metavar="N", default=16,
                         help="tokens per KV block (default 16)")
     parser.add_argument("--chat-template", metavar="FILE", default=None,
                         help="a Jinja chat template file that replaces the tokenizer's")
@@ -54,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(also read from ${API_KEY_ENV})")
     parser.add_argument("--isolate-cache-by-key", action="store_true",
                         help="share cached prefixes only among requests with the same API key")
-    parser.add_argument("--max-running", type=_positive_int, metavar="N", default=DEFAULT_MAX_RUNNING,
+    parser.add_argument("--max-running", type=positive_int, metavar="N", default=DEFAULT_MAX_RUNNING,
                         help=f"requests in the running batch at most (default {DEFAULT_MAX_RUNNING})")
-    parser.add_argument("--max-queue", type=_positive_int, metavar="N", default=DEFAULT_MAX_QUEUE,
+    parser.add_argument("--max-queue", type=positive_int, metavar="N", default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting beyond those, before 429 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--no-history-precompute", action="store_true",
                         help="do not compute each reply's history form into the cache after it finishes")

@@ -7,8 +7,9 @@ dotted path, e.g. ``messages.2.role``). Numbers are strict: ``"3"`` is not a ``m
 What is honoured: every message role (system, developer, user, assistant with ``tool_calls`` and
 ``content: null``, tool), ``tools`` / ``tool_choice``, ``stream`` and ``stream_options.include_usage``,
 ``n``, ``temperature`` (OpenAI's meaning: 0 is greedy, the default 1 samples), ``top_p``,
-``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``, ``prompt_cache_key`` (names the
-conversation for the history bookkeeping) and ``prompt_cache_retention``. Fields that would change
+``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``. ``prompt_cache_key`` and
+``prompt_cache_retention`` ("in_memory", "24h") are accepted and validated: the cache finds a
+prefix by its tokens alone and keeps blocks until LRU eviction needs them. Fields that would change
 the output but are not implemented (``logprobs``, penalties, ``logit_bias``, a JSON
 ``response_format``, ``echo``, ``suffix``, ``best_of`` > 1) are refused with 400 rather than ignored;
 fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ...) and
@@ -17,11 +18,12 @@ unknown fields are accepted and ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from radixcache.integrations.serve.errors import APIError, bad_request
+from radixcache.integrations.serve.messages import ROLES, APIModel, Message, NamedToolChoice, Tool
 
 MAX_N = 128
 MAX_STOP_SEQUENCES = 4
@@ -29,130 +31,12 @@ MAX_STOP_SEQUENCES = 4
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-# ---------------------------------------------------------------------- messages
-def _text_of(content) -> str | None:
-    """A message content (str, list of text parts, or None) as one string (None stays None)."""
-    if content is None or isinstance(content, str):
-        return content
-    return "".join(part["text"] for part in content)
-
-
-def _check_parts(content):
-    if isinstance(content, list):
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"content part {i} has type {kind!r}; only text parts "
-                                 '({"type": "text", "text": ...}) are supported')
-    return content
-
-
-Content = Union[str, list[dict]]
-
-
-class FunctionCall(_Model):
-    """A call the assistant made: the function's name and its arguments as a JSON string."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(_Model):
-    """One entry of an assistant message's ``tool_calls``."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class _Message(_Model):
-    name: str | None = None
-
-    @field_validator("content", check_fields=False)
-    @classmethod
-    def _text_parts_only(cls, content):
-        return _check_parts(content)
-
-    @property
-    def text(self) -> str | None:
-        """The content as one string (text parts joined); None when there is no content."""
-        return _text_of(getattr(self, "content", None))
-
-
-class SystemMessage(_Message):
-    role: Literal["system"]
-    content: Content
-
-
-class DeveloperMessage(_Message):
-    """OpenAI's newer name for system instructions; rendered as a system message."""
-
-    role: Literal["developer"]
-    content: Content
-
-
-class UserMessage(_Message):
-    role: Literal["user"]
-    content: Content
-
-
-class AssistantMessage(_Message):
-    role: Literal["assistant"]
-    content: Content | None = None
-    tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = None
-
-    @model_validator(mode="after")
-    def _content_or_calls(self):
-        if self.content is None and not self.tool_calls:
-            raise ValueError("an assistant message needs content or tool_calls")
-        return self
-
-
-class ToolMessage(_Message):
-    role: Literal["tool"]
-    content: Content
-    tool_call_id: str
-
-
-Message = Annotated[Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage],
-                    Field(discriminator="role")]
-
-
-# ---------------------------------------------------------------------- tools
-class FunctionDefinition(_Model):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Model):
-    """One entry of ``tools``: a function the model may call."""
-
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class _NamedFunction(_Model):
-    name: str
-
-
-class NamedToolChoice(_Model):
-    type: Literal["function"] = "function"
-    function: _NamedFunction
-
-
-class StreamOptions(_Model):
+class StreamOptions(APIModel):
     include_usage: bool = False
 
 
 # ---------------------------------------------------------------------- shared sampling fields
-class _Sampling(_Model):
+class _Sampling(APIModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -294,14 +178,11 @@ class CompletionRequest(_Sampling):
 
 
 # ---------------------------------------------------------------------- parsing
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 def _field_path(loc) -> str:
     """``messages.2.content`` from pydantic's loc, without the union tags it inserts (the role)."""
     parts = []
     for i, part in enumerate(loc):
-        if i and isinstance(loc[i - 1], int) and part in _ROLES:
+        if i and isinstance(loc[i - 1], int) and part in ROLES:
             continue
         parts.append(str(part))
     return ".".join(parts)
