@@ -30,10 +30,13 @@ def build_state(options: ServeOptions, engine=None):
 
 def main(args) -> int:
     """Run the server for parsed ``radixcache serve`` arguments; returns the exit status."""
-    import uvicorn
+    try:
+        import uvicorn
 
-    from radixcache.integrations.serve.app import create_app
-
+        from radixcache.integrations.serve.app import create_app
+    except ModuleNotFoundError as exc:
+        print(f"radixcache serve needs {exc.name}: pip install 'radixcache[serve]'", file=sys.stderr)
+        return 1
     try:
         options = ServeOptions.from_args(args)
     except ValueError as exc:
