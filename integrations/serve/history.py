@@ -53,8 +53,9 @@ class History(NamedTuple):
 
     ``token_ids``: what every continuation of the conversation starts with (the prompt of the next
     turn begins with exactly these, when the client appends messages). ``computed``: how many of its
-    leading tokens equal the tokens the model saw and produced (prompt + reply). ``divergence``:
-    None when the history form continues those tokens, else where and why it does not.
+    leading tokens equal the tokens the model saw and produced (prompt + reply) and have K/V (the
+    reply's last token is never fed back, so it has none). ``divergence``: None when the history
+    form continues those tokens, else where and why it does not.
     """
 
     token_ids: tuple
@@ -113,11 +114,12 @@ def history_after_reply(renderer: ChatRenderer, messages: list[dict], tools, pro
     prompt_ids, generated_ids = tuple(prompt_ids), tuple(generated_ids)
     tokens = history_tokens(renderer, list(messages) + [reply], tools)
     seen = prompt_ids + generated_ids
-    computed = common_prefix(tokens, seen)
-    if computed >= len(seen) or computed >= len(tokens):
+    shared = common_prefix(tokens, seen)
+    computed = min(shared, len(seen) - 1)  # the last generated token was never fed back: no K/V
+    if shared >= len(seen) or shared >= len(tokens):
         return History(tokens, computed, None)
-    reason, detail = _why(renderer, messages, tools, prompt_ids, generated_ids, tokens, computed, reply)
-    return History(tokens, computed, Divergence(computed, reason, detail))
+    reason, detail = _why(renderer, messages, tools, prompt_ids, generated_ids, tokens, shared, reply)
+    return History(tokens, computed, Divergence(shared, reason, detail))
 
 
 def _why(renderer, messages, tools, prompt_ids, generated_ids, tokens, at, reply) -> tuple[str, str]:
