@@ -9,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test bench demo clean
+.PHONY: setup test bench demo serve clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ bench: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/radixcache demo
+
+# the OpenAI-compatible server; pass options with e.g. `make serve SERVE_ARGS="--port 8001"`
+serve: $(STAMP)
+	$(VENV)/bin/radixcache serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,4 +1,4 @@
-"""The ``radixcache`` command line: ``kv-size`` (KV-cache sizing table) and ``demo``."""
+"""The ``radixcache`` command line: ``kv-size`` (KV-cache sizing table), ``demo`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def memory_size(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a clear usage error otherwise)."""
     try:
         value = int(text)
     except ValueError:
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"preset shape, repeatable; one of: {', '.join(sizing.PRESETS)}")
     kv.add_argument("--context", type=token_count, default=8192, metavar="N",
                     help="tokens per sequence; k and M are binary (128k = 131,072; default 8192)")
-    kv.add_argument("--sequences", type=_positive_int, default=1, metavar="N",
+    kv.add_argument("--sequences", type=positive_int, default=1, metavar="N",
                     help="sequences held at once (default 1)")
     kv.add_argument("--dtype", action="append", choices=sorted(sizing.DTYPE_BYTES),
                     help=f"cache dtype, repeatable (default: {' '.join(DEFAULT_DTYPES)})")
@@ -90,11 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Run the demo on the default SmolLM2 model or a local model.")
     demo.add_argument("--model", metavar="PATH", default=None,
                       help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
-    demo.add_argument("--turns", type=_positive_int, default=6, metavar="N",
+    demo.add_argument("--turns", type=positive_int, default=6, metavar="N",
                       help="conversation turns (default 6)")
     demo.add_argument("--out", default="out/", metavar="DIR", help="output directory (default out/)")
     demo.set_defaults(handler=_demo)
+
+    from radixcache.integrations.serve import options as serve_options
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server",
+                                description="Serve a model over an OpenAI-compatible HTTP API "
+                                            "(/v1/chat/completions, /v1/completions, /v1/models, "
+                                            "/health, /metrics).")
+    serve_options.add_arguments(serve)
+    serve.set_defaults(handler=_serve)
     return parser
+
+
+def _serve(args) -> int:
+    from radixcache.integrations.serve.server import main as serve_main
+
+    return serve_main(args)
 
 
 def _kv_size(args, parser) -> int:
