@@ -1,6 +1,9 @@
 # Every target sets itself up on a fresh machine: it creates .venv and installs what it needs.
 # torch is pinned to a CPU-friendly build by default; override with e.g. `make TORCH="torch==2.9.1" test`.
 PYTHON ?= python3
+# Mooncake-format traces for the replay benchmark (`make bench TRACES="a.jsonl b.jsonl"`); without
+# any, it replays its synthetic agent trace only.
+TRACES ?=
 TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -26,6 +29,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/tree_ops.py
+	$(PY) benchmarks/trace_replay.py $(foreach t,$(TRACES),--trace $(t))
 	@for b in agent_loop batch fp8_drift; do \
 	  if [ -f benchmarks/$$b.py ]; then $(PY) benchmarks/$$b.py || exit 1; fi; done
 

@@ -56,7 +56,7 @@ class CacheManager:
         if store is not None and (pool is None or store.block_size != block_size):
             raise ValueError("a store needs the manager's pool and the same block size")
         self.allocator = BlockAllocator(num_blocks)
-        self.tree = RadixCache(self.allocator, block_size)
+        self.tree = RadixCache(self.allocator, block_size, clock=clock)
         self.block_size = block_size
         self.pool = pool
         self.store = store
@@ -250,6 +250,20 @@ class CacheManager:
             return dict(self._store_stats)
         self._store_stats = store.close(timeout)
         return dict(self._store_stats)
+
+    def retain(self, lease: Lease, seconds: float) -> None:
+        """Hint that ``lease``'s sequence comes back within ``seconds`` (an agent session waiting on
+        a tool): its committed path (every whole block ``commit`` put in the tree) stays cached until
+        then, evicted only after every prefix without a live hint, and still before anything is
+        refused. Soft: it never pins, needs no release, and once expired changes nothing; it never
+        changes a computed token. Call it after the last ``commit``, before ``release``."""
+        with self.lock:
+            self._check_live(lease, "retain")
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+                raise TypeError(f"retain: seconds must be a number, got {seconds!r}")
+            if not seconds >= 0:
+                raise ValueError(f"retain: seconds must be >= 0, got {seconds!r}")
+            self.tree.retain(lease.node, self.clock() + seconds)
 
     # ------------------------------------------------------------------ ledger and sizes
     def record_generated(self, n: int) -> None:
