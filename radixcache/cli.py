@@ -1,16 +1,61 @@
-"""The ``radixcache`` command line: ``kv-size`` (KV-cache sizing table) and ``demo``."""
+"""The ``radixcache`` command line: ``kv-size`` (KV-cache sizing table), ``demo`` and ``serve``."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from radixcache import sizing
 
 DEFAULT_DTYPES = ("bf16", "fp16", "fp8")
 
+_KIB = 1024
+# Binary multipliers: "128k" tokens = 131,072; "65G" = "65GiB" = 65 x 2**30 bytes.
+TOKEN_SUFFIXES = {"": 1, "k": _KIB, "ki": _KIB, "m": _KIB**2, "mi": _KIB**2}
+BYTE_SUFFIXES = {"b": 1, "k": _KIB, "ki": _KIB, "kib": _KIB, "m": _KIB**2, "mi": _KIB**2, "mib": _KIB**2,
+                 "g": _KIB**3, "gi": _KIB**3, "gib": _KIB**3, "t": _KIB**4, "ti": _KIB**4, "tib": _KIB**4}
+_NUMBER = re.compile(r"\s*([0-9]+)(?:\.([0-9]+))?\s*([A-Za-z]*)\s*")
 
-def _positive_int(text: str) -> int:
+
+def _scaled(text: str, suffixes: dict, default: str, unit: str) -> int:
+    """``text`` = a decimal number and an optional suffix from ``suffixes``, as a whole count."""
+    match = _NUMBER.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a number with an optional unit, got {text!r}")
+    whole, frac, suffix = match.group(1), match.group(2) or "", match.group(3).lower() or default
+    if suffix in ("kb", "mb", "gb", "tb"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is ambiguous: write binary units ({suffix[0].upper()} or {suffix[0].upper()}iB)")
+    if suffix not in suffixes:
+        known = ", ".join(s for s in suffixes if s)
+        raise argparse.ArgumentTypeError(f"unknown unit {suffix!r} in {text!r} (binary units: {known})")
+    scaled = int(whole + frac) * suffixes[suffix]
+    if scaled % 10 ** len(frac):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of {unit}")
+    return scaled // 10 ** len(frac)
+
+
+def token_count(text: str) -> int:
+    """An argparse type: a token count >= 1, with an optional binary suffix ("8192", "8k" = 8,192,
+    "128k" = 131,072, "1M" = 1,048,576; case-insensitive)."""
+    value = _scaled(text, TOKEN_SUFFIXES, "", "tokens")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
+
+
+def memory_size(text: str) -> int:
+    """An argparse type: bytes of KV memory in binary units ("65G" = "65GiB" = 65 x 2**30; a bare
+    number is GiB; K/M/G/T with or without "iB", and B). Decimal units (GB, MB) are refused."""
+    value = _scaled(text, BYTE_SUFFIXES, "g", "bytes")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a memory size > 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a clear usage error otherwise)."""
     try:
         value = int(text)
     except ValueError:
@@ -32,23 +77,40 @@ def build_parser() -> argparse.ArgumentParser:
                     help="local Hugging Face model directory (reads its config.json); repeatable")
     kv.add_argument("--preset", action="append", metavar="NAME",
                     help=f"preset shape, repeatable; one of: {', '.join(sizing.PRESETS)}")
-    kv.add_argument("--context", type=_positive_int, default=8192, metavar="N",
-                    help="tokens per sequence (default 8192)")
-    kv.add_argument("--sequences", type=_positive_int, default=1, metavar="N",
+    kv.add_argument("--context", type=token_count, default=8192, metavar="N",
+                    help="tokens per sequence; k and M are binary (128k = 131,072; default 8192)")
+    kv.add_argument("--sequences", type=positive_int, default=1, metavar="N",
                     help="sequences held at once (default 1)")
     kv.add_argument("--dtype", action="append", choices=sorted(sizing.DTYPE_BYTES),
                     help=f"cache dtype, repeatable (default: {' '.join(DEFAULT_DTYPES)})")
+    kv.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
+                    help="KV memory to fill, in GiB (65, 65G or 65GiB): adds how many sequences fit")
     kv.set_defaults(handler=lambda args: _kv_size(args, kv))
 
     demo = commands.add_parser("demo", help="run the multi-turn prefix-caching demo",
                                description="Run the demo on the default SmolLM2 model or a local model.")
     demo.add_argument("--model", metavar="PATH", default=None,
                       help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
-    demo.add_argument("--turns", type=_positive_int, default=6, metavar="N",
+    demo.add_argument("--turns", type=positive_int, default=6, metavar="N",
                       help="conversation turns (default 6)")
     demo.add_argument("--out", default="out/", metavar="DIR", help="output directory (default out/)")
     demo.set_defaults(handler=_demo)
+
+    from radixcache.integrations.serve import options as serve_options
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server",
+                                description="Serve a model over an OpenAI-compatible HTTP API "
+                                            "(/v1/chat/completions, /v1/completions, /v1/models, "
+                                            "/health, /metrics).")
+    serve_options.add_arguments(serve)
+    serve.set_defaults(handler=_serve)
     return parser
+
+
+def _serve(args) -> int:
+    from radixcache.integrations.serve.server import main as serve_main
+
+    return serve_main(args)
 
 
 def _kv_size(args, parser) -> int:
@@ -60,8 +122,11 @@ def _kv_size(args, parser) -> int:
         parser.error(str(exc))
     if not shapes:
         shapes = list(sizing.PRESETS.values())
-    rows = sizing.kv_size_table(shapes, args.context, args.sequences, args.dtype or DEFAULT_DTYPES)
-    print(f"KV cache at {args.context:,} tokens per sequence, {args.sequences:,} sequence(s); binary units")
+    rows = sizing.kv_size_table(shapes, args.context, args.sequences, args.dtype or DEFAULT_DTYPES,
+                                memory=args.memory)
+    fits = f"; sequences that fit in {sizing.format_bytes(args.memory)}" if args.memory else ""
+    print(f"KV cache at {args.context:,} tokens per sequence, {args.sequences:,} sequence(s){fits}; "
+          f"binary units")
     print(sizing.render_kv_table(rows))
     return 0
 

@@ -10,7 +10,13 @@ same five verbs, under one lock and into one ledger::
     manager.release(lease, tokens)            # keep the partial tail, unpin, drop every hold
 
 ``fork`` starts a parallel sample that shares a lease's whole blocks. Pure Python: the KV pool is
-handed in as an opaque object whose only method used here is ``copy_block(src, dst)``.
+handed in as an opaque object whose only method used here is ``copy_block(src, dst)`` (plus
+``export_block``/``import_block`` with a store).
+
+With a shared store (a ``radixcache.store.BlockStore``, e.g. Redis), every whole block the tree
+adopts from a lease is offered to it (snapshotted and queued; the network is never waited on), and
+``prefetch(tokens)``, called before ``admit`` by whoever may wait on the network, loads the blocks
+of a prompt that follow the local match from the store into the tree.
 
 Invariants (``check()`` verifies them; the property tests run it after every step):
 
@@ -28,45 +34,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError, OutOfBlocks
-from radixcache.tree import Match, Namespace, Node, RadixCache, as_token_tuple
+from radixcache.lease import Lease, Ledger
+from radixcache.tree import Match, Namespace, RadixCache, as_token_tuple
 
-
-@dataclass(eq=False)
-class Lease:
-    """One sequence's hold on the cache. Owned by the manager: callers read it, never write it.
-
-    ``blocks[i]`` holds the K/V of positions ``i*bs .. i*bs+bs-1``; ``computed`` leading tokens
-    have K/V there; ``committed`` leading whole blocks are in the tree; ``cached_tokens`` prompt
-    tokens were served from the cache at admission (what the server reports as
-    ``usage.prompt_tokens_details.cached_tokens``).
-    """
-
-    namespace: Namespace
-    blocks: list
-    node: Node | None
-    computed: int = 0
-    committed: int = 0
-    cached_tokens: int = 0
-    released: bool = False
-    committed_tokens: tuple = ()  # the tokens of the committed blocks (checked on every commit)
-
-
-@dataclass
-class Ledger:
-    """The statistics of every request the manager served (the one ledger; counters in tokens)."""
-
-    requests: int = 0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    computed_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    fallbacks: int = 0
-    fallback_reasons: dict = field(default_factory=dict)
+__all__ = ["CacheManager", "Lease", "Ledger"]
 
 
 class CacheManager:
@@ -77,15 +52,19 @@ class CacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, pool=None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, store=None):
+        if store is not None and (pool is None or store.block_size != block_size):
+            raise ValueError("a store needs the manager's pool and the same block size")
         self.allocator = BlockAllocator(num_blocks)
-        self.tree = RadixCache(self.allocator, block_size)
+        self.tree = RadixCache(self.allocator, block_size, clock=clock)
         self.block_size = block_size
         self.pool = pool
+        self.store = store
         self.clock = clock
         self.lock = threading.RLock()
         self.ledger = Ledger()
         self._live: dict[int, Lease] = {}
+        self._store_stats: dict = {}  # the store's counters, kept readable after close()
 
     # ------------------------------------------------------------------ the lifecycle
     def admit(self, tokens: Sequence[int], namespace: Namespace = (), *, count: bool = True) -> Lease:
@@ -165,6 +144,10 @@ class CacheManager:
             self.tree.lock(got.node)
             self.tree.unlock(lease.node)
             lease.node = got.node
+            first_new = max(got.cached // bs, lease.stored)  # blocks the tree adopted from us
+            if self.store is not None and first_new < full:
+                self.store.offer(lease.namespace, whole, first_new, lease.blocks[first_new:full],
+                                 self.pool)
             for i in range(lease.committed, full):
                 mine, tree_block = lease.blocks[i], got.blocks[i]
                 if mine != tree_block:  # another request cached this block first
@@ -220,6 +203,78 @@ class CacheManager:
                 lease.node, lease.blocks, lease.released = None, [], True
                 del self._live[id(lease)]
 
+    def prefetch(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
+        """Load from the store the whole blocks of ``tokens[:-1]`` that follow the local match, as
+        many as the store holds in a row and the pool can take, into the tree (as evictable
+        entries, so the ``admit`` that follows matches them); returns how many tokens were loaded.
+
+        Waits on the network (bounded by the store's timeouts) without holding ``lock``; a store
+        that fails is a miss, never an exception. Without a store it returns 0 at once."""
+        store = self.store
+        if store is None:
+            return 0
+        tokens = as_token_tuple(tokens)
+        bs = self.block_size
+        usable = (len(tokens) - 1) // bs if tokens else 0
+        with self.lock:
+            start = self.tree.peek(tokens[:usable * bs], namespace) // bs
+            limit = min(usable - start, self.freeable_blocks())
+        if limit <= 0:
+            return 0
+        got = store.fetch(namespace, tokens[:usable * bs], start, limit)
+        if not got:
+            return 0
+        end = start + len(got)
+        with self.lock:
+            lease = self.admit(tokens[:end * bs + 1], namespace, count=False)
+            first = lease.committed
+            if first < start:  # evicted since the look-up: what was fetched no longer follows
+                self.release(lease)
+                return 0
+            try:
+                self.grow(lease, end * bs)
+            except OutOfBlocks:  # the pool filled up meanwhile: load nothing
+                self.release(lease)
+                return 0
+        loaded = first
+        try:  # the lease holds these blocks alone: fill them without the lock
+            for j in range(first, end):
+                self.pool.import_block(lease.blocks[j], got[j - start])
+                loaded = j + 1
+        except ValueError:
+            pass  # a block this pool cannot hold exactly (e.g. fp8 that would clip): stop there
+        finally:
+            with self.lock:
+                lease.stored = loaded
+                if loaded > first:
+                    self.commit(lease, tokens, loaded * bs)
+                self.release(lease)
+        return (loaded - first) * bs
+
+    def close(self, timeout: float = 10.0) -> dict:
+        """Flush and close the store (waiting up to ``timeout`` s for queued writes); returns its
+        final counters (empty without a store). The cache itself stays usable, store-less."""
+        with self.lock:
+            store, self.store = self.store, None
+        if store is None:
+            return dict(self._store_stats)
+        self._store_stats = store.close(timeout)
+        return dict(self._store_stats)
+
+    def retain(self, lease: Lease, seconds: float) -> None:
+        """Hint that ``lease``'s sequence comes back within ``seconds`` (an agent session waiting on
+        a tool): its committed path (every whole block ``commit`` put in the tree) stays cached until
+        then, evicted only after every prefix without a live hint, and still before anything is
+        refused. Soft: it never pins, needs no release, and once expired changes nothing; it never
+        changes a computed token. Call it after the last ``commit``, before ``release``."""
+        with self.lock:
+            self._check_live(lease, "retain")
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+                raise TypeError(f"retain: seconds must be a number, got {seconds!r}")
+            if not seconds >= 0:
+                raise ValueError(f"retain: seconds must be >= 0, got {seconds!r}")
+            self.tree.retain(lease.node, self.clock() + seconds)
+
     # ------------------------------------------------------------------ ledger and sizes
     def record_generated(self, n: int) -> None:
         """Count ``n`` generated tokens."""
@@ -257,6 +312,9 @@ class CacheManager:
                        free_tokens=self.allocator.num_free * bs,
                        capacity_tokens=self.allocator.num_blocks * bs,
                        evicted_tokens=tree.stats.evicted_blocks * bs, running=len(self._live))
+            if self.store is not None:
+                self._store_stats = self.store.stats()
+            out.update(self._store_stats)
             return out
 
     def reset_stats(self) -> None:

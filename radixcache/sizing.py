@@ -262,14 +262,26 @@ def format_bytes(n: int) -> str:
     return f"{value:.2f}".rstrip("0").rstrip(".") + f" {unit}"
 
 
+def sequences_that_fit(shape: KVShape, memory: int, context: int, dtype: str = "bf16") -> int:
+    """How many whole sequences of ``context`` tokens fit in ``memory`` bytes of KV cache."""
+    _check_int(memory, "memory", 0)
+    per_sequence = shape.bytes_per_sequence(_check_int(context, "context", 1), dtype)
+    return memory // per_sequence
+
+
 def kv_size_table(shapes: Iterable[KVShape] | KVShape, context: int, sequences: int = 1,
-                  dtypes: Iterable[str] | str = ("bf16", "fp16", "fp8")) -> list[dict]:
+                  dtypes: Iterable[str] | str = ("bf16", "fp16", "fp8"),
+                  memory: int | None = None) -> list[dict]:
     """One row per (shape, dtype): name, attention, layers, kv_heads, head_dim, dtype, context,
-    sequences, bytes_per_token, bytes_per_sequence and bytes_total (all ints)."""
+    sequences, bytes_per_token, bytes_per_sequence and bytes_total (all ints); with ``memory`` (bytes)
+    also ``memory`` and ``fits``: how many sequences of ``context`` tokens fit in it."""
     shapes = [shapes] if isinstance(shapes, KVShape) else list(shapes)
     dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
     _check_int(context, "context", 0)
     _check_int(sequences, "sequences", 0)
+    if memory is not None:
+        _check_int(memory, "memory", 0)
+        _check_int(context, "context", 1)
     rows = []
     for shape in shapes:
         if not isinstance(shape, KVShape):
@@ -288,6 +300,9 @@ def kv_size_table(shapes: Iterable[KVShape] | KVShape, context: int, sequences: 
                 "bytes_per_sequence": shape.bytes_per_sequence(context, dtype),
                 "bytes_total": shape.bytes_for(sequences, context, dtype),
             })
+            if memory is not None:
+                rows[-1]["memory"] = memory
+                rows[-1]["fits"] = sequences_that_fit(shape, memory, context, dtype)
     return rows
 
 
@@ -306,11 +321,15 @@ _COLUMNS = (
 
 
 def render_kv_table(rows: list[dict]) -> str:
-    """Rows from ``kv_size_table`` as an aligned plain-text table (header, rule, one line per row)."""
-    cells = [[name for name, _, _ in _COLUMNS]]
-    cells += [[cell(row) for _, cell, _ in _COLUMNS] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
-    aligns = [align for _, _, align in _COLUMNS]
+    """Rows from ``kv_size_table`` as an aligned plain-text table (header, rule, one line per row);
+    rows that carry ``fits`` get a last column "fit in <memory>"."""
+    columns = list(_COLUMNS)
+    if rows and "fits" in rows[0]:
+        columns.append((f"fit in {format_bytes(rows[0]['memory'])}", lambda r: f"{r['fits']:,}", ">"))
+    cells = [[name for name, _, _ in columns]]
+    cells += [[cell(row) for _, cell, _ in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    aligns = [align for _, _, align in columns]
 
     def line(values):
         return "  ".join(f"{v:{a}{w}}" for v, a, w in zip(values, aligns, widths)).rstrip()

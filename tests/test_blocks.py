@@ -265,44 +265,156 @@ OPS = st.lists(
 )
 
 
+def model_step(alloc, model, n, op, k, ids, arg=None):
+    """One allocate/retain/release (of ``arg``, the same ids as ``ids`` in some container) against
+    the Counter model: a valid call does exactly +1/-1 per id, an invalid one raises and changes
+    nothing; afterwards every count agrees and num_free + used == num_blocks."""
+    arg = ids if arg is None else arg
+    before = snapshot(alloc)
+    if op == "allocate":
+        free = n - len(+model)
+        if k > free:
+            with pytest.raises(OutOfBlocks):
+                alloc.allocate(k)
+            assert snapshot(alloc) == before
+            return
+        got = alloc.allocate(k)
+        assert len(set(got)) == k and not any(model[b] for b in got)
+        model.update(got)
+    else:
+        in_range = all(0 <= b < n for b in ids)
+        need = Counter(ids)
+        if op == "retain":
+            ok = in_range and all(model[b] >= 1 for b in ids)
+        else:
+            ok = in_range and all(model[b] >= c for b, c in need.items())
+        if not ok:
+            with pytest.raises(CacheError):
+                getattr(alloc, op)(arg)
+            assert snapshot(alloc) == before
+            return
+        getattr(alloc, op)(arg)
+        if op == "retain":
+            model.update(ids)
+        else:
+            model.subtract(ids)
+    assert [alloc.refcount(b) for b in range(n)] == [model[b] for b in range(n)]
+    assert alloc.refcounts().tolist() == [model[b] for b in range(n)]
+    used = sum(1 for b in range(n) if model[b] > 0)
+    assert alloc.num_free + used == n
+
+
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(OPS)
 def test_allocator_matches_a_counter_model(ops):
     """Random allocate/retain/release sequences (including invalid ones) agree with a plain
     Counter model: valid calls do exactly +1/-1, invalid calls raise and change nothing, and
     num_free + used == num_blocks throughout."""
-    n = 8
-    alloc = BlockAllocator(n)
+    alloc = BlockAllocator(8)
     model = Counter()
     for op, k, ids in ops:
-        before = snapshot(alloc)
-        if op == "allocate":
-            free = n - len(+model)
-            if k > free:
-                with pytest.raises(OutOfBlocks):
-                    alloc.allocate(k)
-                assert snapshot(alloc) == before
-                continue
-            got = alloc.allocate(k)
-            assert len(set(got)) == k and not any(model[b] for b in got)
-            model.update(got)
-        else:
-            in_range = all(0 <= b < n for b in ids)
-            need = Counter(ids)
-            if op == "retain":
-                ok = in_range and all(model[b] >= 1 for b in ids)
-            else:
-                ok = in_range and all(model[b] >= c for b, c in need.items())
-            if not ok:
-                with pytest.raises(CacheError):
-                    getattr(alloc, op)(ids)
-                assert snapshot(alloc) == before
-                continue
-            getattr(alloc, op)(ids)
-            if op == "retain":
-                model.update(ids)
-            else:
-                model.subtract(ids)
-        assert [alloc.refcount(b) for b in range(n)] == [model[b] for b in range(n)]
-        used = sum(1 for b in range(n) if model[b] > 0)
-        assert alloc.num_free + used == n
+        model_step(alloc, model, 8, op, k, ids)
+
+
+# --------------------------------------------------------------------------- long calls (numpy path)
+
+BIG = 200
+BIG_OPS = st.lists(
+    st.tuples(st.sampled_from(["allocate", "retain", "release"]), st.integers(0, 120),
+              st.lists(st.integers(-1, BIG), min_size=40, max_size=130),
+              st.sampled_from(["list", "tuple", "array", "numpy"])),
+    max_size=25,
+)
+
+
+def as_container(ids, kind):
+    """The same ids as a list, tuple, array('I') (when non-negative) or int64 numpy array."""
+    if kind == "tuple":
+        return tuple(ids)
+    if kind == "array" and min(ids, default=0) >= 0:
+        from array import array
+        return array("I", ids)
+    if kind == "numpy":
+        return np.array(ids, dtype=np.int64)
+    return list(ids)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(BIG_OPS)
+def test_long_calls_match_a_counter_model(ops):
+    """The same model with calls of 40-130 ids (the vectorised path), in every container: valid calls
+    do exactly +1/-1 per occurrence, invalid ones (free, out of range, over-released) raise and change
+    nothing; refcounts() always equals refcount() of every block."""
+    alloc = BlockAllocator(BIG)
+    model = Counter()
+    for op, k, ids, kind in ops:
+        if op != "allocate" and kind != "numpy" and not ids[0] % 3:  # mostly held ids: calls succeed
+            held = sorted(+model)
+            ids = [held[i % len(held)] for i in ids if i >= 0] if held else ids
+        model_step(alloc, model, BIG, op, k, ids, as_container(ids, kind))
+
+
+def test_long_calls_refuse_non_ints_and_bools_anywhere():
+    """A bool, float or None at any position of a long call raises TypeError and changes nothing;
+    so does a float or bool numpy array; a negative or too-large id raises CacheError."""
+    alloc = BlockAllocator(300)
+    held = alloc.allocate(200)
+    before = snapshot(alloc)
+    for bad in (True, False, 1.0, None, "3"):
+        for at in (0, 57, 199):
+            ids = list(held)
+            ids[at] = bad
+            for op in (alloc.retain, alloc.release, alloc.check_held):
+                with pytest.raises(TypeError):
+                    op(ids) if op != alloc.check_held else op(ids, "test")
+            assert snapshot(alloc) == before
+    for arr in (np.array(held, dtype=np.float64), np.array(held, dtype=bool), np.array([held, held])):
+        with pytest.raises(TypeError):
+            alloc.retain(arr)
+    for bad in (-1, 300, 2**32, 10**12):
+        with pytest.raises(CacheError):
+            alloc.release(held[:100] + [bad])
+        with pytest.raises(CacheError):
+            alloc.release(np.array(held[:100] + [bad], dtype=np.int64))
+    assert snapshot(alloc) == before
+    alloc.release(np.array(held, dtype=np.int32))
+    assert alloc.num_free == 300
+
+
+def test_allocate_many_then_release_in_any_order_frees_all():
+    """Large allocations come from the free list in id order and all come back."""
+    alloc = BlockAllocator(10_000)
+    a = alloc.allocate(6_000)
+    assert a == list(range(6_000))
+    b = alloc.allocate(4_000)
+    alloc.retain(a[::2])
+    alloc.release(a + b[::-1])
+    assert alloc.num_free == 7_000
+    alloc.release(a[::2])
+    assert alloc.num_free == 10_000 and not alloc.refcounts().any()
+
+
+def test_refcounts_is_a_read_only_view():
+    alloc = BlockAllocator(4)
+    [a] = alloc.allocate(1)
+    view = alloc.refcounts()
+    assert view.tolist() == [1, 0, 0, 0]
+    with pytest.raises(ValueError):
+        view[0] = 5
+    alloc.release([a])
+    assert alloc.refcounts().tolist() == [0, 0, 0, 0]
+
+
+def test_the_allocator_holds_nothing_the_garbage_collector_tracks():
+    """Counts and the free list are flat arrays: a pool of a million blocks adds two objects to a
+    cyclic-GC pass and nothing inside them to walk (a list of ints would be walked item by item)."""
+    import gc
+
+    alloc = BlockAllocator(1_000_000)
+    held = alloc.allocate(300_000)
+    alloc.release(held[::3])
+    parts = [p for p in gc.get_referents(alloc) if p is not type(alloc)]
+    assert len(parts) == 2
+    assert all(gc.get_referents(part) in ([], [type(part)]) for part in parts)
+    alloc.release([b for i, b in enumerate(held) if i % 3])
+    assert alloc.num_free == 1_000_000

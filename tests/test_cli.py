@@ -96,3 +96,57 @@ def test_module_entry_point_runs_in_a_subprocess():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "Llama-3-8B" in result.stdout and "131,072" in result.stdout and "128 KiB" in result.stdout
+
+
+def test_kv_size_memory_answers_how_many_sequences_fit(capsys):
+    """The seeds' examples: 65 GiB at 8k context holds 65 GQA (Llama-3-8B) and 16 MHA (LLaMA-7B)
+    sequences in bf16; every spelling of 65 GiB gives the same answer."""
+    for memory in ("65G", "65GiB", "65", "65g", "66560M", "0.0634765625T"):
+        code, out = run_cli(capsys, "kv-size", "--preset", "llama-3-8b", "--preset", "llama-7b",
+                            "--context", "8k", "--dtype", "bf16", "--memory", memory)
+        assert code == 0
+        assert "8,192 tokens" in out and "fit in 65 GiB" in out, memory
+        gqa, mha = table_lines(out)
+        assert "GQA" in gqa and gqa.split()[-1] == "65", memory
+        assert "MHA" in mha and mha.split()[-1] == "16", memory
+
+
+def test_kv_size_context_binary_suffixes(capsys):
+    """128k is 131,072 tokens: one 128k-context MHA request (LLaMA-7B, bf16) needs 64 GiB, where
+    128,000 tokens would give 62.5 GiB."""
+    code, out = run_cli(capsys, "kv-size", "--preset", "llama-7b", "--context", "128k", "--dtype", "bf16")
+    assert code == 0
+    assert "131,072 tokens" in out
+    (line,) = table_lines(out)
+    assert line.split()[-4:] == ["64", "GiB", "64", "GiB"]
+    code, out = run_cli(capsys, "kv-size", "--preset", "llama-7b", "--context", "128000", "--dtype", "bf16")
+    assert table_lines(out)[0].split()[-4:] == ["62.5", "GiB", "62.5", "GiB"]
+    for text, tokens in (("8K", 8192), ("1M", 1 << 20), ("2Ki", 2048), ("0.5k", 512), ("1.5k", 1536)):
+        code, out = run_cli(capsys, "kv-size", "--preset", "llama-3-8b", "--context", text)
+        assert f"{tokens:,} tokens" in out, text
+
+
+def test_kv_size_without_memory_has_no_fit_column(capsys):
+    code, out = run_cli(capsys, "kv-size", "--preset", "llama-3-8b")
+    assert "fit in" not in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["kv-size", "--memory", "65GB"],           # decimal units are ambiguous: refused
+    ["kv-size", "--memory", "0"],
+    ["kv-size", "--memory", "lots"],
+    ["kv-size", "--memory", "65X"],
+    ["kv-size", "--memory", "-5G"],
+    ["kv-size", "--memory", "0.3B"],           # not a whole number of bytes
+    ["kv-size", "--context", "128kb"],
+    ["kv-size", "--context", "1.0001k"],       # not a whole number of tokens
+    ["kv-size", "--context", "0k"],
+    ["kv-size", "--context", "-8k"],
+    ["kv-size", "--context", "k"],
+])
+def test_bad_memory_and_context_exit_2_naming_the_problem(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error" in err and argv[1] in err

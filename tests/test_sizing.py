@@ -222,3 +222,22 @@ def test_sizing_import_stays_light():
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sequences_that_fit_and_the_memory_column():
+    from radixcache.sizing import sequences_that_fit
+
+    assert sequences_that_fit(preset("Llama-3-8B"), 65 * GIB, 8192, "bf16") == 65
+    assert sequences_that_fit(preset("LLaMA-7B"), 65 * GIB, 8192, "bf16") == 16
+    assert sequences_that_fit(preset("LLaMA-7B"), 65 * GIB, 8192, "fp8") == 32
+    assert sequences_that_fit(preset("LLaMA-7B"), 64 * GIB - 1, 131_072, "bf16") == 0
+    assert sequences_that_fit(preset("LLaMA-7B"), 64 * GIB, 131_072, "bf16") == 1
+    with pytest.raises(ValueError):
+        sequences_that_fit(preset("LLaMA-7B"), -1, 8192)
+    with pytest.raises(ValueError):
+        sequences_that_fit(preset("LLaMA-7B"), GIB, 0)
+    rows = kv_size_table(preset("Llama-3-8B"), 8192, dtypes="bf16", memory=65 * GIB)
+    assert (rows[0]["memory"], rows[0]["fits"]) == (65 * GIB, 65)
+    header = render_kv_table(rows).splitlines()[0]
+    assert header.split()[-4:] == ["fit", "in", "65", "GiB"]
+    assert "fits" not in kv_size_table(preset("Llama-3-8B"), 8192)[0]

@@ -22,6 +22,14 @@ After every step the DESIGN.md invariants are checked:
    recently used path outlives every other unpinned block;
 6. at teardown (everything unlocked and released, then ``reset()``) every block is free.
 
+Retention (``retain(node, until)``) runs on a clock the machine drives: a rule advances it, another
+retains a locked node or a freshly matched one until a deadline that may already have passed. The
+model keeps each retained path, cut back to what is still cached after every eviction. On top of
+the above, ``evict(k)`` never drops a block on a live retained path while fewer than ``k`` blocks
+without live retention were evictable, and drops every such block before it takes a retained one;
+the most recently used path is checked against the blocks without live retention. With no live
+retention (never retained, or every deadline passed) the checks are exactly those of plain LRU.
+
 The checks that call ``match``/``evict`` after every step run on a deep copy of the tree so they do
 not disturb the recency order under test; ``peek`` (side-effect free) runs on the real tree and must
 agree with ``match``.
@@ -56,6 +64,16 @@ def block_pattern(j: int, bs: int) -> tuple:
     return ((0,) * bs, (0,) * (bs - 1) + (1,), (1,) + (0,) * (bs - 1))[j]
 
 
+class ManualClock:
+    """The tree's clock in the machine: seconds that only a rule moves forward."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Request:
     """What the machine, as a caller, holds for one request or reader."""
 
@@ -80,7 +98,9 @@ class CacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.bs = self.block_size
         self.alloc = BlockAllocator(NUM_BLOCKS)
-        self.tree = RadixCache(self.alloc, block_size=self.bs)
+        self.clock = ManualClock()
+        self.tree = RadixCache(self.alloc, block_size=self.bs, clock=self.clock)
+        self.retentions: list = []   # [namespace, retained path (cut to what is cached), until]
         self.seqs = [()]
         self.content: dict = {}      # block -> (namespace, token prefix) it was written for
         self.holders = Counter()     # block -> live references held by the machine
@@ -158,7 +178,8 @@ class CacheMachine(RuleBasedStateMachine):
     def clone(self) -> RadixCache:
         """A deep copy of the tree (with its allocator) sharing only its clocks, so matching and
         evicting on it leaves the real tree's recency untouched (shared clocks only move forward)."""
-        memo = {id(v): v for v in vars(self.tree).values() if isinstance(v, itertools.count)}
+        memo = {id(v): v for v in vars(self.tree.body).values() if isinstance(v, itertools.count)}
+        memo[id(self.clock)] = self.clock
         return copy.deepcopy(self.tree, memo)
 
     def remember(self, tokens):
@@ -205,16 +226,40 @@ class CacheMachine(RuleBasedStateMachine):
             self.recent = (ns, tuple(tokens[:m.length]))
         return m
 
+    def retained_set(self) -> set:
+        """Blocks on a retained path whose deadline is still ahead."""
+        out = set()
+        for ns, tokens, until in self.retentions:
+            if until > self.clock.now:
+                out.update(self.path_blocks(ns, tokens))
+        return out
+
+    def cut_retentions(self):
+        """After blocks were dropped: each retained path keeps only its prefix that is still cached
+        (what comes back later is new content, not retained)."""
+        cached = {self.content[b] for b in self.in_tree}
+        kept = []
+        for ns, tokens, until in self.retentions:
+            n = 0
+            while n + self.bs <= len(tokens) and (ns, tokens[:n + self.bs]) in cached:
+                n += self.bs
+            if n:
+                kept.append([ns, tokens[:n], until])
+        self.retentions = kept
+
     def do_evict(self, k):
-        """evict(k) with invariant 5: exact count, nothing pinned dropped, most recent path last."""
+        """evict(k) with invariant 5: exact count, nothing pinned dropped, blocks without live
+        retention before retained ones, most recent path last among those without retention."""
         tree = self.tree
         ev = tree.evictable_blocks
         pinned = self.pinned_set()
         assert ev == len(self.in_tree) - len(pinned)
+        retained = self.retained_set() - pinned
+        unretained = self.in_tree - pinned - retained
         protected = None
         if self.recent is not None:
             path = self.path_blocks(*self.recent)  # KeyError: the recent path is not intact
-            if k <= ev - len(set(path) - pinned):
+            if not set(path) & retained and k <= len(unretained) - len(set(path) - pinned):
                 protected = set(path)
         dropped = tree.evict(k)
         assert dropped == min(k, ev), f"evict({k}) dropped {dropped}, evictable was {ev}"
@@ -222,6 +267,15 @@ class CacheMachine(RuleBasedStateMachine):
         gone = self.in_tree - now
         assert now <= self.in_tree and len(gone) == dropped
         assert not gone & pinned, f"evict dropped pinned blocks {gone & pinned}"
+        if k <= len(unretained):
+            assert not gone & retained, f"evict({k}) dropped retained blocks {gone & retained} while " \
+                                        f"{len(unretained)} blocks without retention were evictable"
+            if retained and dropped:
+                event("evict: live retention kept its blocks")
+        else:
+            assert unretained <= gone, "evict took retained blocks before every unretained one"
+            if retained and dropped > len(unretained):
+                event("evict: retained blocks went after every unretained one")
         if protected is not None:
             assert protected <= now, "evict dropped the most recently used path before older blocks"
             if dropped and protected:
@@ -231,6 +285,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.in_tree = now
         if dropped:
             self.forget(self.sure)
+            self.cut_retentions()
         if dropped == ev:
             assert now == pinned and tree.cached_blocks == tree.pinned_blocks
             self.forget(self.maybe)
@@ -427,6 +482,30 @@ class CacheMachine(RuleBasedStateMachine):
         self.tree.unlock(req.node)
         req.locks -= 1
 
+    @rule(dt=st.sampled_from([0.5, 1.0, 3.0, 20.0]))
+    def advance_clock(self, dt):
+        """Time passes on the tree's clock: retention deadlines run out."""
+        self.clock.now += dt
+
+    @rule(data=st.data())
+    def retain(self, data):
+        """Retain a locked request's node, or the node of a fresh match, until a deadline (sometimes
+        already passed)."""
+        ahead = data.draw(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.0, 5.0, 50.0]), label="retain for")
+        until = self.clock.now + ahead
+        if self.locked() and data.draw(st.booleans(), label="retain a locked node"):
+            req = data.draw(st.sampled_from(self.locked()), label="request")
+            ns, node, path = req.ns, req.node, req.lock_tokens
+        else:
+            ns = data.draw(st.sampled_from(NAMESPACES), label="namespace")
+            tokens = self.draw_tokens(data, "retain", ns)
+            m = self.do_match(tokens, ns)
+            node, path = m.node, tuple(tokens[:m.length])
+        self.tree.retain(node, until)
+        event(f"retain: {'live' if ahead > 0 else 'already expired'}, {'path' if path else 'root'}")
+        if path:
+            self.retentions.append([ns, path, until])
+
     @precondition(lambda self: self.tree.evictable_blocks)
     @rule(k=st.one_of(st.integers(1, 6), st.integers(1, 3), st.sampled_from([0, HUGE, "reset"])))
     def evict(self, k):
@@ -446,6 +525,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.in_tree = now
         self.forget(self.sure)
         self.forget(self.maybe)
+        self.cut_retentions()
         self.recent = None
 
     # ------------------------------------------------------------------ after every step

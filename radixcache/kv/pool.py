@@ -16,9 +16,13 @@ are clamped to it; ``clamped_writes()`` counts the writes where that happened.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from radixcache.store import BlockKV
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_HEADROOM = 4.0  # calibration puts the first write's amax at FP8_MAX / FP8_HEADROOM
@@ -153,6 +157,89 @@ class KVPool:
         """Copy every layer's K/V of block ``src`` into block ``dst`` (copy on write)."""
         for layer in self.layers:
             layer[dst].copy_(layer[src])
+
+    def export_block(self, block: int) -> BlockKV:
+        """A host copy of ``block``'s K/V for every layer, in storage dtype (``radixcache.store.BlockKV``).
+
+        The copy is taken now (one device-to-host transfer on GPU, stream-ordered after the forward
+        that wrote the block): later writes to ``block``, or its reuse for other tokens, never
+        change it. fp8 pools attach the scales the bytes were written with.
+        """
+        self._check_block(block)
+        raw = torch.stack([layer[block].view(torch.uint8) for layer in self.layers]).cpu()
+        scales = tuple(self.scales.reshape(-1).tolist()) if self.quantized else ()
+        return BlockKV(raw.reshape(-1).numpy(), self._dtype_name, self._block_shape, scales)
+
+    def import_block(self, block: int, kv: BlockKV) -> None:
+        """Write ``kv`` (as ``export_block`` returns it, from any pool of this shape and dtype) into ``block``.
+
+        fp8: per layer and K/V, a pool scale not yet set adopts the value's, an equal one copies the
+        bytes, another one rescales them, and a rescale that would clip is refused. ``ValueError``
+        (nothing written) on another dtype or shape, a payload of the wrong size, bad scales or a
+        refused rescale.
+        """
+        self._check_block(block)
+        if kv.dtype != self._dtype_name or tuple(kv.shape) != self._block_shape:
+            raise ValueError(f"block K/V is {kv.dtype}{tuple(kv.shape)}, this pool holds "
+                             f"{self._dtype_name}{self._block_shape}")
+        src = np.frombuffer(kv.data, dtype=np.uint8)
+        per_layer = self.bytes_per_token * self.block_size // self.num_layers
+        if src.size != per_layer * self.num_layers:
+            raise ValueError(f"block K/V is {src.size} bytes, expected {per_layer * self.num_layers}")
+        adopt = []
+        if self.quantized:
+            src, adopt = self._rescaled(src, kv.scales)
+        elif kv.scales:
+            raise ValueError(f"{self._dtype_name} K/V carries no scales, got {len(kv.scales)}")
+        if self.device.type == "cpu":
+            for i, layer in enumerate(self.layers):
+                layer[block].view(torch.uint8).numpy().reshape(-1)[:] = src[i * per_layer:(i + 1) * per_layer]
+        else:
+            staged = torch.from_numpy(src.copy()).to(self.device)  # copy: src may be read-only
+            for i, layer in enumerate(self.layers):
+                layer[block].view(torch.uint8).view(-1).copy_(staged[i * per_layer:(i + 1) * per_layer])
+        for layer, kv_index, scale in adopt:
+            self.scales[layer, kv_index] = scale
+            self._scales_set[layer][kv_index] = True
+
+    def _rescaled(self, src: np.ndarray, scales) -> tuple[np.ndarray, list]:
+        """fp8 bytes re-expressed in this pool's scales, and the (layer, K/V, scale) to adopt."""
+        if len(scales) != 2 * self.num_layers:
+            raise ValueError(f"fp8 K/V needs {2 * self.num_layers} scales, got {len(scales)}")
+        current = self.scales.tolist()
+        q = src.reshape(self.num_layers, 2, -1)
+        out, adopt = None, []
+        for layer in range(self.num_layers):
+            for j in range(2):
+                theirs = float(scales[2 * layer + j])
+                if not (math.isfinite(theirs) and theirs > 0):
+                    raise ValueError(f"fp8 scale {theirs!r} of layer {layer} is not a positive number")
+                if not self._scales_set[layer][j]:
+                    adopt.append((layer, j, theirs))
+                    continue
+                ours = current[layer][j]
+                if theirs == ours:
+                    continue
+                x = torch.from_numpy(q[layer, j].copy()).view(torch.float8_e4m3fn).float() * theirs
+                if float(x.abs().max()) > FP8_MAX * ours:
+                    raise ValueError(f"fp8 K/V of layer {layer} does not fit this pool's scale "
+                                     f"{ours:.3g} (written with {theirs:.3g}): refusing to clip")
+                if out is None:
+                    out = q.copy()
+                out[layer, j] = (x / ours).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return (src if out is None else out.reshape(-1)), adopt
+
+    def _check_block(self, block: int) -> None:
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise ValueError(f"block must be an int in 0..{self.num_blocks - 1}, got {block!r}")
+
+    @property
+    def _dtype_name(self) -> str:
+        return str(self.storage_dtype).removeprefix("torch.")
+
+    @property
+    def _block_shape(self) -> tuple:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def _quantize(self, layer: int, kv: int, x: torch.Tensor) -> torch.Tensor:
         scaled = x.float() / self.scales[layer, kv]

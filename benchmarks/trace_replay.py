@@ -1,0 +1,354 @@
+#!/usr/bin/env python
+"""Replay request traces through the core (BlockAllocator + RadixCache) at real sizes.
+
+Each trace (Mooncake-format JSONL given with ``--trace PATH``, and the synthetic agent trace of
+``benchmarks/traces.py``) is replayed on a simulated clock, the tree's own clock: a request arrives
+at its timestamp, matches its prompt (``match``), locks and holds the matched blocks, allocates the
+rest; it finishes when its output has decoded at ``--decode-rate`` tokens/s, then ``adopt``s its
+tokens (the prompt, plus the output where the trace knows it: the agent trace), optionally
+``retain``s the node, unlocks and releases. After each finish the tree is trimmed to the capacity
+(``evict``). The pool holds the capacity plus what requests in flight hold at the peak, so the
+capacity bounds the cache alone.
+
+Capacities are fractions of the working set (the trace's distinct blocks). Policies: ``lru``, and
+``retention`` (session-aware: a turn whose session sends another turn retains its node for
+``--retain-s`` seconds; the last turn of a session retains nothing), compared on traces with
+sessions. The ideal hit rate is that of an unbounded cache in the same event order, computed
+without the tree; at 100% the tree must reproduce it exactly, or the run fails.
+
+Timings: every tree call is timed alone (``perf_counter_ns``) with Python's GC on (``--gc off`` or
+``both`` adds runs without it). Per 1k tokens: a call's time divided by the tokens it was given, over
+requests with prompts of at least 1k tokens. Tokens are handed to the tree as ``array('I')``, the
+form an engine keeps them in; ``--tokens list`` passes Python lists instead (each call then also
+converts them). Memory, sampled as the 100% run's tree grows: the process's resident-set growth
+per cached block, and the bytes of the tree's own structures counted object by object (both
+exclude the allocator's fixed 8 B per pool block: counts and free list).
+
+    python benchmarks/trace_replay.py [--trace PATH ...] [--no-agent] [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import json
+import os
+import sys
+import time
+from array import array
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import fmt, table  # noqa: E402
+from benchmarks.traces import (  # noqa: E402
+    AGENT_PARAMS, QUICK_AGENT_PARAMS, Trace, agent_trace, describe, load_mooncake,
+)
+
+from radixcache import BlockAllocator, RadixCache  # noqa: E402
+
+OPS = ("match", "insert", "evict", "lock", "unlock", "retain")
+MEMORY_STEP = 250_000            # blocks between resident-memory samples
+QUICK_REQUESTS = 300             # requests of each --trace replayed with --quick
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def tree_bytes(tree: RadixCache) -> int:
+    """Bytes the tree's own structures hold, counted object by object (``sys.getsizeof``): the
+    node columns, every node's tokens, block ids and child table, the recency tiers, and the
+    in-tree marks (one byte per pool block). Ints shared with other structures count once."""
+    store, recency = tree.store, tree.recency
+    total = sum(sys.getsizeof(col) for col in (store.parent, store.lock_ref, store.own_locks, store.access,
+                                               store.until, store.gen, store.free_ids, store.keys,
+                                               store.blocks, store.kids))
+    total += sum(sys.getsizeof(k) for k in store.keys if k is not None)
+    total += sum(sys.getsizeof(b) for b in store.blocks)
+    total += sum(sys.getsizeof(d) for d in store.kids if d is not None)
+    for tier in (recency.lru, recency.kept, recency.expiry):
+        total += sum(sys.getsizeof(x) + 8 for x in tier)  # each entry and its list slot
+    total += sys.getsizeof(recency.where) + sys.getsizeof(recency.retained)
+    return total + tree.allocator.num_blocks
+
+
+def completion_s(trace: Trace, decode_rate: float) -> np.ndarray:
+    """When each request finishes: its arrival plus its output decoded at ``decode_rate``."""
+    return trace.arrival_s + trace.output_len / decode_rate
+
+
+def events(trace: Trace, done_s: np.ndarray):
+    """(time, kind, request) in processing order; at equal times finishes (kind 0) come first."""
+    order = sorted([(float(t), 1, i) for i, t in enumerate(trace.arrival_s)]
+                   + [(float(t), 0, i) for i, t in enumerate(done_s)])
+    return order
+
+
+def ideal(trace: Trace, bs: int, order) -> tuple[np.ndarray, int]:
+    """Hit tokens per request of an unbounded cache (a request's tokens are cached from its finish
+    on) and the working set in blocks, from page coverage alone (no tree)."""
+    covered = np.zeros(trace.num_pages, dtype=np.int64)
+    hits = np.zeros(len(trace), dtype=np.int64)
+    for _, kind, i in order:
+        start = trace.page_start[i]
+        if kind:
+            n = int(trace.input_len[i])
+            lens = trace.page_lengths(i, n)
+            cov = covered[trace.pages[start:start + len(lens)]]
+            short = np.flatnonzero(cov < lens)
+            if not short.size:
+                hits[i] = n // bs * bs
+            else:
+                j = int(short[0])
+                hits[i] = j * 512 + min(int(cov[j]), int(lens[j])) // bs * bs
+        else:
+            lens = trace.page_lengths(i, int(trace.insert_len[i])) // bs * bs
+            pages = trace.pages[start:start + len(lens)]
+            covered[pages] = np.maximum(covered[pages], lens)
+    return hits, int((covered // bs).sum())
+
+
+def pool_blocks(trace: Trace, bs: int, order, capacity: int) -> int:
+    """The capacity plus the most blocks that requests in flight hold at once."""
+    held = peak = 0
+    for _, kind, i in order:
+        held += (1 if kind else -1) * int(trace.insert_len[i] // bs)
+        peak = max(peak, held)
+    return capacity + peak + 1
+
+
+class Timings:
+    """Every timed call: operation, wall and thread-CPU nanoseconds, tokens given, prompt length.
+
+    On a quiet machine the two clocks agree; on a loaded one the wall clock also counts the time the
+    process waited for a core, which the CPU clock leaves out."""
+
+    def __init__(self):
+        self.op, self.tokens, self.prompt = array("b"), array("q"), array("q")
+        self.ns = {"wall": array("q"), "cpu": array("q")}
+
+    def add(self, op: int, wall_ns: int, cpu_ns: int, tokens: int, prompt: int) -> None:
+        self.op.append(op)
+        self.ns["wall"].append(wall_ns)
+        self.ns["cpu"].append(cpu_ns)
+        self.tokens.append(tokens)
+        self.prompt.append(prompt)
+
+    def summary(self) -> dict:
+        """Per clock: p50/p99 per 1k tokens of match and insert (prompts >= 1k tokens), the worst
+        call, and the slowest call of each operation."""
+        op = np.frombuffer(self.op, np.int8)
+        tokens, prompt = np.frombuffer(self.tokens, np.int64), np.frombuffer(self.prompt, np.int64)
+        out = {}
+        for clock, samples in self.ns.items():
+            ns = np.frombuffer(samples, np.int64)
+            res = out[clock] = {}
+            for code, name in enumerate(OPS[:2]):
+                sel = (op == code) & (prompt >= 1000)
+                per_1k = ns[sel] / 1000.0 / (tokens[sel] / 1000.0)
+                res[name] = {"p50_us": float(np.percentile(per_1k, 50)) if sel.any() else None,
+                             "p99_us": float(np.percentile(per_1k, 99)) if sel.any() else None,
+                             "calls": int(sel.sum())}
+            worst = int(np.argmax(ns))
+            res["worst"] = {"op": OPS[op[worst]], "ms": float(ns[worst]) / 1e6, "tokens": int(tokens[worst])}
+            for code, name in enumerate(OPS):
+                sel = op == code
+                res[f"max_{name}_ms"] = float(ns[sel].max()) / 1e6 if sel.any() else None
+        return out
+
+
+def replay(trace: Trace, order, capacity: int, policy: str, bs: int, retain_s: float,
+           token_form: str, sample_memory: bool) -> dict:
+    """One replay of ``trace`` at ``capacity`` blocks under ``policy``; returns its numbers."""
+    now = [0.0]
+    alloc = BlockAllocator(pool_blocks(trace, bs, order, capacity))
+    tree = RadixCache(alloc, block_size=bs, clock=lambda: now[0])
+    timings, hits = Timings(), np.zeros(len(trace), dtype=np.int64)
+    flight: dict = {}
+    memory, next_sample = [], MEMORY_STEP
+    gc.collect()
+    base_rss = rss_bytes()
+    wall, cpu = time.perf_counter_ns, time.thread_time_ns
+    convert = array.tolist if token_form == "list" else (lambda a: a)
+    started = time.perf_counter()
+    for t, kind, i in order:
+        now[0] = t
+        n_in = int(trace.input_len[i])
+        if kind:
+            tokens = array("I", trace.tokens(i, int(trace.insert_len[i])).tobytes())
+            prompt = convert(tokens[:n_in])
+            t0, c0 = wall(), cpu()
+            m = tree.match(prompt)
+            timings.add(0, wall() - t0, cpu() - c0, n_in, n_in)
+            t0, c0 = wall(), cpu()
+            tree.lock(m.node)
+            timings.add(3, wall() - t0, cpu() - c0, 0, n_in)
+            alloc.retain(m.blocks)
+            need = len(tokens) // bs - len(m.blocks)
+            if need > alloc.num_free:
+                t0, c0 = wall(), cpu()
+                tree.evict(need - alloc.num_free)
+                timings.add(2, wall() - t0, cpu() - c0, 0, n_in)
+            flight[i] = (tokens, m.node, list(m.blocks) + alloc.allocate(need))
+            hits[i] = m.length
+            continue
+        tokens, node, blocks = flight.pop(i)
+        given = convert(tokens)
+        t0, c0 = wall(), cpu()
+        adopted = tree.adopt(given, blocks)
+        timings.add(1, wall() - t0, cpu() - c0, len(tokens), n_in)
+        if policy == "retention" and trace.continues[i]:
+            t0, c0 = wall(), cpu()
+            tree.retain(adopted.node, t + retain_s)
+            timings.add(5, wall() - t0, cpu() - c0, 0, n_in)
+        t0, c0 = wall(), cpu()
+        tree.unlock(node)
+        timings.add(4, wall() - t0, cpu() - c0, 0, n_in)
+        alloc.release(blocks)
+        if tree.cached_blocks > capacity:
+            t0, c0 = wall(), cpu()
+            tree.evict(tree.cached_blocks - capacity)
+            timings.add(2, wall() - t0, cpu() - c0, 0, n_in)
+        if sample_memory and tree.cached_blocks >= next_sample:
+            memory.append((tree.cached_blocks, rss_bytes() - base_rss, tree_bytes(tree)))
+            next_sample = (tree.cached_blocks // MEMORY_STEP + 1) * MEMORY_STEP
+    elapsed = time.perf_counter() - started
+    if sample_memory:
+        memory.append((tree.cached_blocks, rss_bytes() - base_rss, tree_bytes(tree)))
+    if len(trace) <= QUICK_REQUESTS:
+        tree.check()
+    result = {"capacity_blocks": capacity, "pool_blocks": alloc.num_blocks, "policy": policy,
+              "hit_tokens": int(hits.sum()), "hits": hits, "cached_blocks": tree.cached_blocks,
+              "elapsed_s": elapsed, "memory": memory, "timings": timings.summary()}
+    tree.reset()
+    return result
+
+
+def run_trace(trace: Trace, args, log) -> dict:
+    """Every capacity and policy for one trace, side by side in one process."""
+    bs = args.block_size
+    done = completion_s(trace, args.decode_rate)
+    order = events(trace, done)
+    ideal_hits, working_set = ideal(trace, bs, order)
+    queried = int(trace.input_len.sum())
+    policies = ["lru", "retention"] if trace.has_sessions else ["lru"]
+    rows = []
+    # The largest capacity first: its memory samples then start from a heap no earlier run grew.
+    for pct in sorted(args.capacities, reverse=True):
+        capacity = max(1, round(working_set * pct / 100))
+        for policy in policies:
+            for gc_on in {"on": [True], "off": [False], "both": [True, False]}[args.gc]:
+                (gc.enable if gc_on else gc.disable)()
+                r = replay(trace, order, capacity, policy, bs, args.retain_s, args.tokens,
+                           sample_memory=pct == 100 and policy == "lru" and gc_on)
+                gc.enable()
+                if pct == 100 and r["hit_tokens"] != int(ideal_hits.sum()):
+                    bad = np.flatnonzero(r["hits"] != ideal_hits)[:5].tolist()
+                    raise SystemExit(f"{trace.name}: at 100% the tree hit {r['hit_tokens']} tokens, "
+                                     f"the ideal is {int(ideal_hits.sum())} (requests {bad} differ)")
+                del r["hits"]
+                r.update(capacity_pct=pct, gc="on" if gc_on else "off",
+                         hit_rate=r["hit_tokens"] / queried, ideal_hit_rate=int(ideal_hits.sum()) / queried)
+                rows.append(r)
+                log(f"  {trace.name}: {pct}% {policy} gc {r['gc']}: hit {r['hit_rate']:.4f} "
+                    f"(ideal {r['ideal_hit_rate']:.4f}), {r['elapsed_s']:.1f} s")
+    rows.sort(key=lambda r: (r["capacity_pct"], policies.index(r["policy"]), r["gc"] == "off"))
+    return {"trace": trace.name, "params": trace.params, "measured": describe(trace),
+            "working_set_blocks": working_set, "rows": rows}
+
+
+def render(result: dict, clock: str) -> str:
+    """The tables for one trace: hit rates and timings (on ``clock``) per capacity and policy, then
+    memory."""
+    header = ("capacity", "blocks", "policy", "gc", "ideal hit", "hit", "match p50/p99 us/1k",
+              "insert p50/p99 us/1k", "worst call")
+    lines = []
+    for r in result["rows"]:
+        t = r["timings"][clock]
+        w = t["worst"]
+        lines.append((f"{r['capacity_pct']}%", f"{r['capacity_blocks']:,}", r["policy"], r["gc"],
+                      f"{r['ideal_hit_rate']:.4f}", f"{r['hit_rate']:.4f}",
+                      f"{fmt(t['match']['p50_us'], '.1f')} / {fmt(t['match']['p99_us'], '.1f')}",
+                      f"{fmt(t['insert']['p50_us'], '.1f')} / {fmt(t['insert']['p99_us'], '.1f')}",
+                      f"{w['ms']:.2f} ms {w['op']} ({w['tokens']:,} tok)"))
+    out = [table(header, lines, left=(0, 2, 3, 8))]
+    by = {(r["capacity_pct"], r["policy"], r["gc"]): r["hit_rate"] for r in result["rows"]}
+    gains = [f"{pct}%: {by[pct, 'retention', 'on'] - by[pct, 'lru', 'on']:+.4f}"
+             for pct in sorted({k[0] for k in by}) if (pct, "retention", "on") in by]
+    if gains:
+        out.append("retention - lru hit rate: " + ", ".join(gains))
+    mem = [m for r in result["rows"] for m in r["memory"]]
+    if mem:
+        out.append("")
+        out.append(table(("cached blocks", "RSS growth", "RSS B/block", "tree structures", "B/block"),
+                         [(f"{b:,}", f"{d / 2**20:.1f} MiB", f"{d / b:.1f}", f"{t / 2**20:.1f} MiB",
+                           f"{t / b:.1f}") for b, d, t in mem if b], left=()))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", action="append", default=[], metavar="PATH",
+                        help="Mooncake-format JSONL trace, repeatable (LRU only: no sessions)")
+    parser.add_argument("--no-agent", action="store_true", help="skip the synthetic agent trace")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"bounded smoke run: a 12-session agent trace, the first {QUICK_REQUESTS} "
+                             f"requests of each --trace")
+    parser.add_argument("--capacities", default="1,5,20,100",
+                        type=lambda s: [float(x) if "." in x else int(x) for x in s.split(",")],
+                        help="percent of the working set (default 1,5,20,100)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--decode-rate", type=float, default=50.0, help="output tokens/s (default 50)")
+    parser.add_argument("--retain-s", type=float, default=300.0,
+                        help="retention of a session's node after a turn (default 300 s)")
+    parser.add_argument("--gc", choices=("on", "off", "both"), default="on")
+    parser.add_argument("--tokens", choices=("array", "list"), default="array",
+                        help="how tokens are handed to the tree (default array('I'))")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="clock of the printed timings (both go to --json; cpu leaves out time "
+                             "spent waiting for a core on a loaded machine)")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers to PATH as JSON")
+    args = parser.parse_args(argv)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    traces = []
+    for path in args.trace:
+        trace = load_mooncake(path)
+        traces.append(trace.head(QUICK_REQUESTS) if args.quick else trace)
+    if not args.no_agent:
+        traces.append(agent_trace(args.decode_rate, QUICK_AGENT_PARAMS if args.quick else AGENT_PARAMS))
+    if not traces:
+        parser.error("nothing to replay: give --trace PATH or drop --no-agent")
+    print(f"trace replay: block size {args.block_size}, decode {args.decode_rate:g} tok/s, "
+          f"retention {args.retain_s:g} s, tokens as {args.tokens}, GC {args.gc}, {args.clock} clock"
+          + (" [--quick]" if args.quick else ""))
+    results = []
+    for trace in traces:
+        log(f"{trace.name}: {len(trace)} requests ...")
+        result = run_trace(trace, args, log)
+        results.append(result)
+        print()
+        print(f"== {trace.name}: working set {result['working_set_blocks']:,} blocks")
+        print("parameters: " + ", ".join(f"{k} {v}" for k, v in trace.params.items()))
+        print("measured: " + ", ".join(f"{k} {v:,.4g}" if isinstance(v, float) else f"{k} {v:,}"
+                                       for k, v in result["measured"].items()))
+        print(render(result, args.clock))
+    print()
+    print("ideal hit = an unbounded cache in the same event order; us/1k = microseconds per 1,000 tokens "
+          "given to the call (prompts >= 1k tokens); worst call = the slowest single tree call, GC included")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

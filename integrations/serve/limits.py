@@ -1,0 +1,122 @@
+"""Access and admission rules: API keys, tenant salts, the in-flight limit, prompt and model checks.
+
+Each check raises an ``APIError`` with the status OpenAI clients expect (401, 404, 429, 400) and
+changes nothing, so a refused request never reaches the engine and never holds a block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from radixcache.integrations.serve.errors import bad_request, model_not_found, queue_full, unauthorized
+
+_SALT_PERSON = b"radixcache-salt"
+
+
+def check_bearer(authorization: str | None, keys) -> str | None:
+    """The API key a request authenticates with, or None when the server has no keys.
+
+    ``authorization`` is the ``Authorization`` header; it must be ``Bearer <key>`` for one of
+    ``keys`` (compared in constant time). Raises ``APIError`` 401 otherwise.
+    """
+    if not keys:
+        return None
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    if scheme.lower() == "bearer" and token:
+        for key in keys:
+            if hmac.compare_digest(token.encode(), key.encode()):
+                return key
+    raise unauthorized()
+
+
+def tenant_salt(api_key: str | None, isolate: bool) -> str | None:
+    """The cache salt of a request: None (one shared cache) unless ``isolate`` is on.
+
+    With ``isolate``, requests share cached blocks only with requests of the same API key: the salt
+    is a keyed digest of the key (never the key itself, since a salt may be stored outside the
+    process), and requests without a key share the salt of "no key".
+    """
+    if not isolate:
+        return None
+    return hashlib.blake2b((api_key or "").encode(), digest_size=16, person=_SALT_PERSON).hexdigest()
+
+
+def resolve_model(requested: str | None, served_names) -> str:
+    """The served name a request addresses: ``requested``, or the first served name when it is None.
+
+    Raises ``APIError`` 404 for a name this server does not serve.
+    """
+    names = list(served_names)
+    if requested is None:
+        return names[0]
+    if requested not in names:
+        raise model_not_found(requested)
+    return requested
+
+
+def check_token_ids(ids, vocab_size: int) -> None:
+    """400 unless every id of a token-id prompt is inside the vocabulary ``0..vocab_size-1``."""
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"prompt: token id {bad} is outside the vocabulary 0..{vocab_size - 1}",
+                          param="prompt")
+
+
+def max_new_tokens(prompt_tokens: int, requested: int | None, max_context: int,
+                   pool_tokens: int | None) -> int:
+    """How many tokens a request may generate; raises ``APIError`` 400 when it cannot be served.
+
+    A prompt must leave room for one generated token in the model's context (``max_context``) and
+    fit the KV pool (``pool_tokens``, None when unknown) with that token. ``requested`` (the
+    request's ``max_tokens``) must fit the context with the prompt; None means up to the context.
+    """
+    if prompt_tokens >= max_context:
+        raise bad_request(f"This model's maximum context length is {max_context} tokens, but the prompt "
+                          f"has {prompt_tokens} tokens.", param="messages", code="context_length_exceeded")
+    if pool_tokens is not None and prompt_tokens + 1 > pool_tokens:
+        raise bad_request(f"The prompt has {prompt_tokens} tokens, but the KV cache pool holds only "
+                          f"{pool_tokens} tokens (start the server with a larger --max-cache-tokens).",
+                          param="messages", code="context_length_exceeded")
+    if requested is None:
+        return max_context - prompt_tokens
+    if prompt_tokens + requested > max_context:
+        raise bad_request(f"This model's maximum context length is {max_context} tokens; the prompt "
+                          f"({prompt_tokens} tokens) plus max_tokens ({requested}) exceeds it.",
+                          param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+class AdmissionGate:
+    """Bounds the requests in flight (running plus queued) at ``limit``.
+
+    ``acquire()`` takes a slot, or raises ``APIError`` 429 when all ``limit`` are taken; the
+    returned ``Slot`` gives it back on ``release()`` (idempotent), which the server calls when the
+    response is over, streamed or not. Used from one event loop (no lock needed).
+    """
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"the in-flight limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.in_flight = 0
+
+    def acquire(self) -> "Slot":
+        if self.in_flight >= self.limit:
+            raise queue_full(self.limit)
+        self.in_flight += 1
+        return Slot(self)
+
+
+class Slot:
+    """One taken place of an ``AdmissionGate``."""
+
+    def __init__(self, gate: AdmissionGate):
+        self._gate = gate
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._gate.in_flight -= 1

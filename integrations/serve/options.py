@@ -1,0 +1,114 @@
+"""``radixcache serve`` options: the argparse arguments and the validated ``ServeOptions``.
+
+``add_arguments(parser)`` adds every option to an argparse parser (the ``serve`` subcommand of
+``radixcache``); ``ServeOptions.from_args(args)`` checks them (files exist, numbers in range) and
+raises ``ValueError`` naming the option otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from radixcache.cli import positive_int
+
+DEFAULT_PORT = 8000
+DEFAULT_MAX_RUNNING = 64
+DEFAULT_MAX_QUEUE = 256
+API_KEY_ENV = "RADIXCACHE_API_KEY"
+
+
+def _port(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the server's options to ``parser``."""
+    parser.add_argument("--model", metavar="DIR", default=None,
+                        help="local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--max-cache-tokens", type=positive_int, metavar="N", default=None,
+                        help="KV pool size in tokens (default: 25%% of free RAM on CPU, 50%% of free GPU memory)")
+    parser.add_argument("--block-size", type=positive_int, metavar="N", default=16,
+                        help="tokens per KV block (default 16)")
+    parser.add_argument("--chat-template", metavar="FILE", default=None,
+                        help="a Jinja chat template file that replaces the tokenizer's")
+    parser.add_argument("--served-model-name", metavar="NAME", nargs="+", default=None,
+                        help="the model name(s) clients send (default: the model directory's name)")
+    parser.add_argument("--api-key", metavar="KEY", action="append", default=None,
+                        help=f"require 'Authorization: Bearer KEY'; repeatable, one key per tenant "
+                             f"(also read from ${API_KEY_ENV})")
+    parser.add_argument("--isolate-cache-by-key", action="store_true",
+                        help="share cached prefixes only among requests with the same API key")
+    parser.add_argument("--max-running", type=positive_int, metavar="N", default=DEFAULT_MAX_RUNNING,
+                        help=f"requests in the running batch at most (default {DEFAULT_MAX_RUNNING})")
+    parser.add_argument("--max-queue", type=positive_int, metavar="N", default=DEFAULT_MAX_QUEUE,
+                        help=f"requests waiting beyond those, before 429 (default {DEFAULT_MAX_QUEUE})")
+    parser.add_argument("--no-history-precompute", action="store_true",
+                        help="do not compute each reply's history form into the cache after it finishes")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log level (default info)")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The server's validated settings (see ``add_arguments`` for each)."""
+
+    model: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    max_cache_tokens: int | None = None
+    block_size: int = 16
+    chat_template: str | None = None  # the template's text, read from --chat-template
+    served_model_names: tuple = ()
+    api_keys: tuple = ()
+    isolate_cache_by_key: bool = False
+    max_running: int = DEFAULT_MAX_RUNNING
+    max_queue: int = DEFAULT_MAX_QUEUE
+    history_precompute: bool = True
+    log_level: str = "info"
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests running plus waiting; one more gets 429."""
+        return self.max_running + self.max_queue
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        """Validated options from parsed arguments; raises ``ValueError`` naming the bad option."""
+        model = None
+        if args.model is not None:
+            model = Path(args.model).expanduser()
+            if not (model / "config.json").is_file():
+                raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
+        template = None
+        if args.chat_template is not None:
+            path = Path(args.chat_template).expanduser()
+            try:
+                template = path.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ValueError(f"--chat-template {args.chat_template}: {exc.strerror or exc}") from None
+            if not template.strip():
+                raise ValueError(f"--chat-template {args.chat_template}: the file is empty")
+        keys = list(args.api_key or [])
+        if not keys and os.environ.get(API_KEY_ENV):
+            keys = [os.environ[API_KEY_ENV]]
+        if any(not k.strip() for k in keys):
+            raise ValueError("--api-key: a key must not be empty")
+        if args.isolate_cache_by_key and not keys:
+            raise ValueError("--isolate-cache-by-key needs at least one --api-key")
+        if args.max_cache_tokens is not None and args.max_cache_tokens < args.block_size:
+            raise ValueError(f"--max-cache-tokens {args.max_cache_tokens} is smaller than one block "
+                             f"(--block-size {args.block_size})")
+        return cls(model=model, host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
+                   block_size=args.block_size, chat_template=template,
+                   served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
+                   isolate_cache_by_key=args.isolate_cache_by_key, max_running=args.max_running,
+                   max_queue=args.max_queue, history_precompute=not args.no_history_precompute,
+                   log_level=args.log_level)

@@ -1,0 +1,214 @@
+"""Request models of the OpenAI endpoints the server answers (pydantic v2).
+
+``parse_chat_request(obj)`` / ``parse_completion_request(obj)`` take the decoded JSON body and return
+a validated request, or raise ``APIError`` 400 naming the first offending field (``param`` is its
+dotted path, e.g. ``messages.2.role``). Numbers are strict: ``"3"`` is not a ``max_tokens``.
+
+What is honoured: every message role (system, developer, user, assistant with ``tool_calls`` and
+``content: null``, tool), ``tools`` / ``tool_choice``, ``stream`` and ``stream_options.include_usage``,
+``n``, ``temperature`` (OpenAI's meaning: 0 is greedy, the default 1 samples), ``top_p``,
+``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``. ``prompt_cache_key`` and
+``prompt_cache_retention`` ("in_memory", "24h") are accepted and validated: the cache finds a
+prefix by its tokens alone and keeps blocks until LRU eviction needs them. Fields that would change
+the output but are not implemented (``logprobs``, penalties, ``logit_bias``, a JSON
+``response_format``, ``echo``, ``suffix``, ``best_of`` > 1) are refused with 400 rather than ignored;
+fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ...) and
+unknown fields are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from radixcache.integrations.serve.errors import APIError, bad_request
+from radixcache.integrations.serve.messages import ROLES, APIModel, Message, NamedToolChoice, Tool
+
+MAX_N = 128
+MAX_STOP_SEQUENCES = 4
+
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+
+
+class StreamOptions(APIModel):
+    include_usage: bool = False
+
+
+# ---------------------------------------------------------------------- shared sampling fields
+class _Sampling(APIModel):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stop: Any = None
+    seed: Annotated[int, Field(strict=True)] | None = None
+    prompt_cache_key: str | None = None
+    user: str | None = None
+    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop):
+        if stop is not None and not isinstance(stop, str) and not (
+                isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise ValueError("stop must be a string or a list of strings")
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("a stop sequence must not be empty")
+        return stop
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.logprobs not in (None, False):
+            raise ValueError("logprobs are not supported by this server")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ValueError(f"{name} is not supported by this server (only 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (empty when absent)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def effective_temperature(self) -> float:
+        """The temperature to sample at: OpenAI's default is 1; 0 means greedy."""
+        return 1.0 if self.temperature is None else float(self.temperature)
+
+    @property
+    def effective_top_p(self) -> float:
+        return 1.0 if self.top_p is None else float(self.top_p)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        if self.top_logprobs is not None:
+            raise ValueError("top_logprobs is not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported by this server")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice is only allowed when tools are given")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, "
+                             "which is not in tools")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """``max_completion_tokens`` if given, else ``max_tokens``; None means up to the context."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Tool calls are parsed out of the reply only when the request has tools and allows calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt, as text or as token ids."""
+
+    prompt: Any
+    max_tokens: PositiveInt = 16
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(strict=True, ge=1)] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt
+        if not isinstance(prompt, list):
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if any(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError("send one prompt per request (a string or a list of token ids)")
+        if not all(type(p) is int and p >= 0 for p in prompt):
+            raise ValueError("token ids must be non-negative integers")
+        return prompt
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented_completion(self):
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of is not supported by this server (use n)")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_tokens
+
+
+# ---------------------------------------------------------------------- parsing
+def _field_path(loc) -> str:
+    """``messages.2.content`` from pydantic's loc, without the union tags it inserts (the role)."""
+    parts = []
+    for i, part in enumerate(loc):
+        if i and isinstance(loc[i - 1], int) and part in ROLES:
+            continue
+        parts.append(str(part))
+    return ".".join(parts)
+
+
+def _as_api_error(exc: ValidationError) -> APIError:
+    first = exc.errors(include_url=False)[0]
+    loc = _field_path(first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return bad_request(f"{loc}: {message}" if loc else message, param=loc or None)
+
+
+def _parse(model: type[BaseModel], obj):
+    if not isinstance(obj, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise _as_api_error(exc) from None
+
+
+def parse_chat_request(obj) -> ChatCompletionRequest:
+    """The validated chat request of a decoded JSON body; ``APIError`` 400 otherwise."""
+    return _parse(ChatCompletionRequest, obj)
+
+
+def parse_completion_request(obj) -> CompletionRequest:
+    """The validated completion request of a decoded JSON body; ``APIError`` 400 otherwise."""
+    return _parse(CompletionRequest, obj)

@@ -1,0 +1,103 @@
+"""Response bodies and server-sent-event chunks in OpenAI's shapes.
+
+Every function returns plain JSON-ready dicts (or SSE text). ``usage`` always carries
+``prompt_tokens_details.cached_tokens``. Streams follow OpenAI: with
+``stream_options.include_usage`` every chunk has ``"usage": null`` and one last chunk with
+``choices: []`` carries the usage; without it the chunk that finishes the last choice carries the
+usage (so a stream's cached tokens are visible either way, and ``chunk.choices[0]`` never fails).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id such as ``chatcmpl-3f2a...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """``created``: seconds since the epoch."""
+    return int(time.time())
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's ``usage`` with ``prompt_tokens_details.cached_tokens``."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def tool_call_objects(calls, id_prefix: str = "call") -> list[dict]:
+    """OpenAI ``tool_calls`` entries for parsed calls (``.name``, ``.arguments`` JSON text)."""
+    return [{"id": f"{id_prefix}_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+
+
+def assistant_message(content: str | None, tool_calls: list[dict] | None) -> dict:
+    """The reply message as a response returns it (and the client echoes it next turn)."""
+    message = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def chat_choice(index: int, message: dict, finish_reason: str) -> dict:
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_completion(response_id: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+    """The body of a non-streaming ``/v1/chat/completions`` response."""
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def chat_chunk(response_id: str, created: int, model: str, choices: list[dict],
+               usage_: dict | None = None, usage_null: bool = False) -> dict:
+    """One ``chat.completion.chunk``; ``usage_null`` writes ``"usage": null`` (include_usage streams)."""
+    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices}
+    if usage_ is not None or usage_null:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def delta_choice(index: int, delta: dict, finish_reason: str | None = None) -> dict:
+    """A streamed choice: ``delta`` holds ``role``, ``content`` and/or ``tool_calls`` pieces."""
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def tool_call_deltas(tool_calls: list[dict]) -> list[dict]:
+    """Streamed ``tool_calls`` entries: each whole call in one piece, with its ``index``."""
+    return [{"index": i, **call} for i, call in enumerate(tool_calls)]
+
+
+def text_choice(index: int, text: str, finish_reason: str | None) -> dict:
+    """A ``/v1/completions`` choice (whole, or one streamed piece)."""
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def completion(response_id: str, created: int, model: str, choices: list[dict], usage_: dict | None,
+               usage_null: bool = False) -> dict:
+    """A ``text_completion`` body or streamed chunk (``usage_`` None in chunks that carry none)."""
+    body = {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices}
+    if usage_ is not None or usage_null:
+        body["usage"] = usage_
+    return body
+
+
+def model_list(names, created: int, owner: str = "radixcache") -> dict:
+    """The body of ``GET /v1/models``."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                        "owned_by": owner} for name in names]}

@@ -1,0 +1,129 @@
+"""What one server holds: options, tokenizer and renderer, model facts, engine, metrics, limits.
+
+``load_model_info(model_dir)`` reads the tokenizer, config and generation config of a local model
+directory (never the weights, never a hub) into a ``ModelInfo``. ``ServerState`` bundles it with
+the ``EngineClient`` (None: no engine attached, generation answers 503), the metrics, the
+admission gate, the history index, one worker thread for template rendering and tokenizing (so the
+event loop never waits on it), and the background history precomputes it starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+from radixcache.integrations.serve.chat_template import ChatRenderer
+from radixcache.integrations.serve.engine_client import (EngineLimits, EngineOverloaded, EngineRequest,
+                                                         Priority, SamplingParams)
+from radixcache.integrations.serve.history import HistoryIndex
+from radixcache.integrations.serve.limits import AdmissionGate
+from radixcache.integrations.serve.metrics import ServerMetrics
+from radixcache.integrations.serve.responses import new_id
+
+logger = logging.getLogger("radixcache.serve")
+
+
+class ModelInfo(NamedTuple):
+    """Facts the server checks requests against: directory name, context, vocabulary, stop ids."""
+
+    name: str
+    max_context_tokens: int
+    vocab_size: int
+    stop_token_ids: frozenset
+
+
+def _ids(value) -> set:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple, set)) else {int(value)}
+
+
+def load_model_info(model_dir) -> tuple:
+    """``(tokenizer, ModelInfo)`` of a local model directory; reads no weights, contacts no hub."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    path = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if not context:
+        raise ValueError(f"{path}/config.json names no context length (max_position_embeddings)")
+    stops = _ids(getattr(text, "eos_token_id", None))
+    try:
+        stops |= _ids(GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
+    except OSError:  # no generation_config.json
+        pass
+    stops |= _ids(tokenizer.eos_token_id)
+    return tokenizer, ModelInfo(path.name, int(context), int(text.vocab_size), frozenset(stops))
+
+
+class ServerState:
+    """One server's state; see the module docstring. Built once, used from the event loop."""
+
+    def __init__(self, options, tokenizer, info: ModelInfo, engine=None):
+        self.options = options
+        self.tokenizer = tokenizer
+        self.info = info
+        self.renderer = ChatRenderer(tokenizer, options.chat_template)
+        self.engine = engine
+        self.model_names = tuple(options.served_model_names) or (info.name,)
+        self.metrics = ServerMetrics()
+        self.metrics.attach(engine.counts if engine is not None else None)
+        self.gate = AdmissionGate(options.max_in_flight)
+        self.histories = HistoryIndex()
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixcache-render")
+        self._background: set = set()
+
+    @property
+    def limits(self) -> EngineLimits:
+        """The engine's limits; without an engine, the model's context and ``--max-cache-tokens``
+        (``pool_tokens`` None when that was not given)."""
+        if self.engine is not None:
+            return self.engine.limits()
+        return EngineLimits(self.info.max_context_tokens, self.options.max_cache_tokens,
+                            self.options.block_size)
+
+    async def run_cpu(self, fn, *args):
+        """Run ``fn(*args)`` on the render thread (templates, tokenizing) and await its result."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def precompute(self, token_ids, salt: str | None) -> None:
+        """Compute a history form's uncached blocks at low priority (prefill only), in the background."""
+        if self.engine is None or not self.options.history_precompute:
+            return
+        request = EngineRequest(new_id("history"), tuple(token_ids), SamplingParams(max_new_tokens=1),
+                                salt, Priority.LOW, prefill_only=True)
+        try:
+            stream = self.engine.submit(request)
+        except (EngineOverloaded, ValueError) as exc:
+            logger.debug("history precompute %s not submitted: %s", request.request_id, exc)
+            return
+        self.metrics.observe_precompute(len(request.prompt))
+        task = asyncio.get_running_loop().create_task(self._drain(request.request_id, stream))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _drain(self, request_id: str, stream) -> None:
+        try:
+            async for event in stream:
+                if event.finish_reason == "error":
+                    logger.warning("history precompute %s failed: %s", request_id, event.error)
+        except asyncio.CancelledError:
+            self.engine.abort(request_id)
+            raise
+
+    async def shutdown(self) -> None:
+        """Cancel background precomputes, close the engine, stop the render thread."""
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self.engine is not None:
+            await self.engine.close()
+        self._cpu.shutdown(wait=False, cancel_futures=True)

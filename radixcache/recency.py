@@ -1,0 +1,129 @@
+"""Eviction order of the tree's evictable leaves: LRU, with soft retention as a second tier.
+
+Every evictable leaf (unpinned, no children, no partial tail, not a root) has one entry, its key
+``access << 32 | id`` (the recency tick, made unique by the node id), in ``where``, and belongs to
+one of two tiers:
+
+- ``lru``: leaves without live retention, least recently used first;
+- ``kept``: leaves retained until a deadline still ahead on the tree's clock (``retained`` maps
+  them to it), least recently used first, each deadline also in ``expiry``.
+
+``pop`` takes from ``lru`` while it has entries and only then from ``kept``: a retained leaf goes
+only after every unretained one, and before anything is refused for lack of blocks. ``expire(now)``
+moves every leaf whose deadline has passed back into ``lru`` at its place by recency, which is
+exactly where a leaf never retained would be.
+
+The tiers are binary heaps of plain ints with lazy deletion: ``discard`` only forgets the leaf in
+``where``; a heap entry counts only while ``where`` still gives its key and its tier matches, and
+stale entries are skipped when they surface or dropped when a heap grows past twice its live size.
+So a touch costs two C-level heap operations and no list is ever walked by the collector beyond
+the few heap objects themselves.
+"""
+
+from __future__ import annotations
+
+from heapq import heapify, heappop, heappush
+
+from radixcache.nodes import NodeStore
+
+ID_BITS = 32
+ID_MASK = (1 << ID_BITS) - 1
+_SLACK = 1024  # stale entries a heap may carry beyond its live ones before it is rebuilt
+
+
+class Recency:
+    """The tiers of evictable leaves (see the module docstring) over a ``NodeStore``."""
+
+    __slots__ = ("store", "clock", "lru", "kept", "expiry", "where", "retained")
+
+    def __init__(self, store: NodeStore, clock):
+        self.store = store
+        self.clock = clock
+        self.lru: list[int] = []
+        self.kept: list[int] = []
+        self.expiry: list[tuple[float, int]] = []
+        self.where: dict[int, int] = {}       # leaf id -> its key
+        self.retained: dict[int, float] = {}  # leaf id -> deadline, for the leaves of ``kept``
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __contains__(self, i: int) -> bool:
+        return i in self.where
+
+    def add(self, i: int) -> None:
+        """Enter leaf ``i`` at its recency, in ``kept`` if its retention is still ahead."""
+        key = (self.store.access[i] << ID_BITS) | i
+        self.where[i] = key
+        until = self.store.until[i]
+        if until and until > self.clock():
+            self.retained[i] = until
+            heappush(self.kept, key)
+            heappush(self.expiry, (until, key))
+            if len(self.kept) > 2 * len(self.retained) + _SLACK:
+                self._rebuild_kept()
+        else:
+            heappush(self.lru, key)
+            if len(self.lru) > 2 * len(self.where) + _SLACK:
+                self.lru = [k for j, k in self.where.items() if j not in self.retained]
+                heapify(self.lru)
+
+    def _rebuild_kept(self) -> None:
+        where = self.where
+        self.kept = [where[j] for j in self.retained]
+        self.expiry = [(u, where[j]) for j, u in self.retained.items()]
+        heapify(self.kept)
+        heapify(self.expiry)
+
+    def discard(self, i: int) -> None:
+        """Forget leaf ``i`` if it has an entry (it was touched, locked, grew a child or left)."""
+        if self.where.pop(i, None) is not None:
+            self.retained.pop(i, None)
+
+    def expire(self, now: float) -> None:
+        """Move every retained leaf whose deadline is at or before ``now`` back into ``lru``."""
+        expiry, where, retained = self.expiry, self.where, self.retained
+        while expiry and expiry[0][0] <= now:
+            until, key = heappop(expiry)
+            i = key & ID_MASK
+            if where.get(i) == key and retained.get(i) == until:
+                del retained[i]
+                heappush(self.lru, key)
+
+    def pop(self) -> int | None:
+        """Take the next leaf to evict: the least recently used unretained one, else the least
+        recently used retained one; None when there is no evictable leaf. Call ``expire`` first."""
+        where, retained = self.where, self.retained
+        lru = self.lru
+        while lru:
+            key = heappop(lru)
+            i = key & ID_MASK
+            if where.get(i) == key and i not in retained:
+                del where[i]
+                return i
+        kept = self.kept
+        while kept:
+            key = heappop(kept)
+            i = key & ID_MASK
+            if where.get(i) == key and i in retained:
+                del where[i]
+                del retained[i]
+                return i
+        return None
+
+    def check(self, leaves: set) -> None:
+        """Assert that the entries are exactly ``leaves`` (the evictable leaves), each at its current
+        recency and present in its tier's heap, and that no unretained entry has a deadline ahead."""
+        store, now = self.store, self.clock()
+        assert set(self.where) == leaves, \
+            f"recency entries {sorted(self.where)} differ from the evictable leaves {sorted(leaves)}"
+        assert set(self.retained) <= set(self.where), "a retained entry is not a leaf"
+        lru, kept, expiry = set(self.lru), set(self.kept), set(self.expiry)
+        for i, key in self.where.items():
+            assert key == (store.access[i] << ID_BITS) | i, f"stale recency entry for node {i}"
+            if i in self.retained:
+                assert key in kept and (self.retained[i], key) in expiry, f"node {i}: not in its tier"
+                assert self.retained[i] == store.until[i], f"node {i}: retention changed in its tier"
+            else:
+                assert key in lru, f"node {i} is in no tier"
+                assert not store.until[i] > now, f"node {i}: retained until {store.until[i]} but in lru"

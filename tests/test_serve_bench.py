@@ -1,0 +1,68 @@
+"""benchmarks/serve.py end to end, bounded: both ``transformers serve`` baselines on a tiny model with
+the embedded tokenizer, through the real ``openai`` client; and the radixcache row's plug point."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+from serve_helpers import embedded_tokenizer, write_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "benchmarks" / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_model_dir(path):
+    write_model_dir(path, max_positions=2048)
+    torch.manual_seed(0)
+    config = tf.AutoConfig.from_pretrained(path)
+    tf.LlamaForCausalLM(config).eval().save_pretrained(path)
+    return path
+
+
+def test_quick_run_against_both_transformers_servers(tmp_path, capsys):
+    bench = load_bench()
+    model = tiny_model_dir(tmp_path / "tiny-llama")
+    out = tmp_path / "serve.json"
+    code = bench.main(["--model", str(model), "--quick", "--turns", "2", "--sessions", "1", "2",
+                       "--max-tokens", "3", "--system-tokens", "80", "--budget", "120", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    header = next(line for line in printed.splitlines() if line.startswith("server "))
+    for column in ("sessions", "turn", "prompt tok", "TTFT p50 ms", "TTFT p95 ms", "out tok/s", "cached tok",
+                   "ideal tok", "cached/ideal"):
+        assert column in header
+    phases = json.loads(out.read_text())["phases"]
+    assert [(p["server"], p["sessions"]) for p in phases] == [
+        ("transformers", 1), ("transformers", 2), ("transformers-cb", 1), ("transformers-cb", 2)]
+    tok = embedded_tokenizer()
+    for phase in phases:
+        assert sorted((c["session"], c["turn"]) for c in phase["calls"]) == [
+            (s, t) for s in range(phase["sessions"]) for t in (1, 2)]
+        for call in phase["calls"]:
+            assert call["error"] is None and not call["cut_off"] and call["completion_tokens"] >= 1
+            assert call["cached_tokens"] is None  # transformers serve reports no cached tokens
+            assert call["ideal_cached"] == 0 if call["turn"] == 1 else 0 < call["ideal_cached"] < call["prompt_tokens"]
+    first = phases[0]["calls"][0]
+    assert first["prompt_tokens"] > len(tok("[session 1]", add_special_tokens=False)["input_ids"])
+
+
+def test_radixcache_row_reports_it_is_not_ready_yet(tmp_path, capsys):
+    bench = load_bench()
+    assert "radixcache" in bench.SERVERS and "radixcache" not in bench.DEFAULT_SERVERS
+    model = write_model_dir(tmp_path / "tiny")
+    code = bench.main(["--model", str(model), "--servers", "radixcache", "--turns", "1", "--sessions", "1",
+                       "--system-tokens", "40", "--startup-timeout", "90"])
+    err = capsys.readouterr().err
+    assert code == 1 and "radixcache: radixcache not ready" in err and "no generation engine" in err

@@ -1,0 +1,93 @@
+"""``radixcache serve`` as a user runs it: options, a real process on a free port, a clean stop."""
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from radixcache.cli import build_parser
+from radixcache.integrations.serve.options import ServeOptions
+from radixcache.integrations.serve.server import build_state
+from serve_helpers import DRIFT_GENERATION_THINK, free_socket, write_model_dir
+
+
+def parse(*argv) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_defaults_are_the_issues():
+    options = ServeOptions.from_args(parse())
+    assert (options.model, options.host, options.port, options.block_size) == (None, "127.0.0.1", 8000, 16)
+    assert options.max_cache_tokens is None and options.chat_template is None and options.api_keys == ()
+    assert options.max_queue >= 64 and options.max_in_flight == options.max_running + options.max_queue
+    assert options.history_precompute and not options.isolate_cache_by_key
+
+
+def test_options_are_read_and_checked(tmp_path, monkeypatch):
+    model = write_model_dir(tmp_path / "m")
+    template = tmp_path / "t.jinja"
+    template.write_text(DRIFT_GENERATION_THINK)
+    options = ServeOptions.from_args(parse("--model", str(model), "--port", "9001", "--max-cache-tokens", "4096",
+                                           "--block-size", "32", "--chat-template", str(template),
+                                           "--served-model-name", "a", "b", "--api-key", "k1", "--api-key", "k2",
+                                           "--isolate-cache-by-key", "--max-running", "8", "--max-queue", "100",
+                                           "--no-history-precompute"))
+    assert options.chat_template == DRIFT_GENERATION_THINK and options.api_keys == ("k1", "k2")
+    assert options.served_model_names == ("a", "b") and options.max_in_flight == 108
+    assert not options.history_precompute and options.isolate_cache_by_key
+    state = build_state(options)
+    assert state.renderer.template == DRIFT_GENERATION_THINK  # --chat-template replaces the tokenizer's
+    assert state.model_names == ("a", "b") and state.limits == (512, 4096, 32)
+    monkeypatch.setenv("RADIXCACHE_API_KEY", "from-env")
+    assert ServeOptions.from_args(parse()).api_keys == ("from-env",)
+    bad = [(["--model", str(tmp_path)], "no config.json"), (["--chat-template", str(tmp_path / "none")], "chat-template"),
+           (["--isolate-cache-by-key"], "needs at least one --api-key"), (["--api-key", " "], "must not be empty"),
+           (["--max-cache-tokens", "8"], "smaller than one block")]
+    monkeypatch.delenv("RADIXCACHE_API_KEY")
+    for argv, words in bad:
+        with pytest.raises(ValueError, match=words):
+            ServeOptions.from_args(parse(*argv))
+    for argv in (["--port", "0"], ["--port", "70000"], ["--block-size", "x"], ["--max-queue", "-1"]):
+        with pytest.raises(SystemExit):
+            parse(*argv)
+
+
+def test_radixcache_serve_runs_and_stops_on_ctrl_c(tmp_path):
+    model = write_model_dir(tmp_path / "tiny")
+    with free_socket() as sock:
+        port = sock.getsockname()[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(model),
+                             "--port", str(port), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "radixcache serve did not start"
+                time.sleep(0.3)
+        assert models.json()["data"][0]["id"] == "tiny"
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, output
+    assert "no generation engine" in output
+
+
+def test_bad_options_exit_with_a_message(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no config.json" in result.stderr

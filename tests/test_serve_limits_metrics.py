@@ -1,0 +1,111 @@
+"""Keys, tenant salts, the in-flight gate, prompt checks, and the metrics registry."""
+
+import prometheus_client
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixcache.integrations.serve.engine_client import EngineCounts
+from radixcache.integrations.serve.errors import APIError
+from radixcache.integrations.serve.limits import (AdmissionGate, check_bearer, check_token_ids, max_new_tokens,
+                                                  resolve_model, tenant_salt)
+from radixcache.integrations.serve.metrics import ServerMetrics
+
+
+def status_of(fn, *args):
+    with pytest.raises(APIError) as info:
+        fn(*args)
+    return info.value
+
+
+def test_bearer_keys():
+    assert check_bearer(None, ()) is None  # no keys: open
+    assert check_bearer("Bearer k1", ("k1", "k2")) == "k1"
+    assert check_bearer("bearer   k2 ", ("k1", "k2")) == "k2"
+    for header in (None, "", "Bearer", "Bearer ", "Basic k1", "Bearer k3", "k1", "Bearer k1x"):
+        err = status_of(check_bearer, header, ("k1", "k2"))
+        assert err.status == 401 and err.code == "invalid_api_key" and "k1" not in err.message
+        assert err.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_tenant_salt():
+    assert tenant_salt("k1", isolate=False) is None  # sharing off: one cache for all
+    a, b = tenant_salt("k1", True), tenant_salt("k2", True)
+    assert a != b and a == tenant_salt("k1", True) and len(a) == 32
+    assert "k1" not in a and tenant_salt(None, True) == tenant_salt("", True)
+
+
+def test_model_resolution():
+    assert resolve_model(None, ["m", "alias"]) == "m"
+    assert resolve_model("alias", ["m", "alias"]) == "alias"
+    err = status_of(resolve_model, "gpt-4o", ["m"])
+    assert err.status == 404 and err.code == "model_not_found" and err.param == "model"
+
+
+def test_prompt_limits():
+    assert max_new_tokens(100, None, 512, None) == 412  # up to the context
+    assert max_new_tokens(100, 50, 512, 1024) == 50
+    for args, param in [((512, None, 512, None), "messages"), ((600, 5, 512, None), "messages"),
+                        ((300, None, 512, 256), "messages"), ((256, 1, 512, 256), "messages"),
+                        ((500, 20, 512, None), "max_tokens")]:
+        err = status_of(max_new_tokens, *args)
+        assert err.status == 400 and err.code == "context_length_exceeded" and err.param == param
+    assert "pool" in status_of(max_new_tokens, 300, None, 512, 256).message
+    check_token_ids([0, 5, 99], 100)
+    assert status_of(check_token_ids, [0, 100], 100).param == "prompt"
+
+
+def test_admission_gate():
+    gate = AdmissionGate(2)
+    a, b = gate.acquire(), gate.acquire()
+    err = status_of(gate.acquire)
+    assert err.status == 429 and err.headers["Retry-After"] == "1" and gate.in_flight == 2
+    a.release()
+    a.release()  # idempotent
+    assert gate.in_flight == 1
+    c = gate.acquire()
+    b.release()
+    c.release()
+    assert gate.in_flight == 0
+    with pytest.raises(ValueError):
+        AdmissionGate(0)
+
+
+def samples(metrics):
+    text = metrics.render()[0].decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_names_values_and_own_registry():
+    m = ServerMetrics()
+    m.observe_admitted(prompt_tokens=1000, cached_tokens=960)
+    m.observe_admitted(prompt_tokens=200, cached_tokens=0)
+    m.observe_first_token(0.05)
+    m.observe_inter_token(0.01)
+    m.observe_finished("stop", 24, 1.5)
+    m.observe_rejected(400)
+    m.observe_short_hit("evicted", 64)
+    m.observe_divergence("generation_prompt")
+    m.observe_precompute(1040)
+    got = samples(m)
+    assert got[("radixcache:prefix_cache_queries_total", ())] == 1200
+    assert got[("radixcache:prefix_cache_hits_total", ())] == 960
+    assert got[("radixcache:time_to_first_token_seconds_count", ())] == 1
+    assert got[("radixcache:inter_token_latency_seconds_count", ())] == 1
+    assert got[("radixcache:request_success_total", (("finish_reason", "stop"),))] == 1
+    assert got[("radixcache:generation_tokens_total", ())] == 24
+    assert got[("radixcache:requests_rejected_total", (("status", "400"),))] == 1
+    assert got[("radixcache:prefix_cache_short_hits_total", (("reason", "evicted"),))] == 1
+    assert got[("radixcache:prefix_cache_short_hit_tokens_total", (("reason", "evicted"),))] == 64
+    assert got[("radixcache:history_divergence_total", (("reason", "generation_prompt"),))] == 1
+    assert got[("radixcache:history_precompute_tokens_total", ())] == 1040
+    assert got[("radixcache:num_requests_running", ())] == 0 and got[("radixcache:kv_cache_usage_perc", ())] == 0
+    m.attach(lambda: EngineCounts(running=3, waiting=5, used_blocks=30, total_blocks=120))
+    got = samples(m)
+    assert got[("radixcache:num_requests_running", ())] == 3
+    assert got[("radixcache:num_requests_waiting", ())] == 5
+    assert got[("radixcache:kv_cache_usage_perc", ())] == 0.25
+    assert m.render()[1].startswith("text/plain")
+    # a second server in the same process has its own numbers, and the global registry has none
+    assert samples(ServerMetrics())[("radixcache:prefix_cache_queries_total", ())] == 0
+    assert not [f for f in prometheus_client.REGISTRY.collect() if f.name.startswith("radixcache")]

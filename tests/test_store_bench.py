@@ -1,0 +1,34 @@
+"""Smoke test: `benchmarks/store.py --quick` runs against its own redis-server and prints its tables."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from redis_servers import redis_binary
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_store_bench_quick_prints_tables(tmp_path):
+    redis_binary()
+    redis_binary("redis-benchmark")
+    out = tmp_path / "store.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store.py"), "--quick",
+                             "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = result.stdout
+    assert "radixcache store benchmark (quick)" in text
+    assert "redis-benchmark -h 127.0.0.1 -p PORT -t get -d 737475 -c 1 -P 16" in text
+    assert "target: store.fetch >= 50% of redis-benchmark" in text
+    data = json.loads(out.read_text())
+    assert data["value_bytes"] == 737_475  # the SmolLM2 fp32 block: 737,280 B of K/V + header
+    paths = [r["path"] for r in data["rows"]]
+    assert paths[:3] == ["memory copy (numpy)", "TCP loopback (socket, no Redis)",
+                         "redis-benchmark -t get -P 16"]
+    assert "store.fetch (verified)" in paths and "store.fetch + KVPool.import_block" in paths
+    assert all(r["bytes_per_s"] > 0 for r in data["rows"])
+    bench = next(r for r in data["rows"] if r["path"] == "redis-benchmark -t get -P 16")
+    assert bench["share_of_redis_benchmark"] == 1.0
+    assert [m["bytes_per_token"] for m in data["per_model"]] == [46_080, 131_072, 65_536, 70_272]
+    assert isinstance(data["target_met"], bool)
