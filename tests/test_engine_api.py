@@ -169,3 +169,26 @@ def test_add_rejects_bad_requests_without_changes(model):
         Request(4, [])
     drain(engine)
     assert lm.stats()["requests"] == 1
+
+
+def test_abort_of_one_sample_leaves_the_others_running(model):
+    """abort(request_id, sample) stops one sample (a stop string): it gets its "abort" event, its
+    blocks go at once, the other samples run to the end; a leader aborted before it forks still
+    forks the rest."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
+    engine = lm.new_engine()
+    prompt = random_ids(13, 11)[0].tolist()
+    params = SamplingParams(max_new_tokens=6, do_sample=True, n=3, seed=5)
+    engine.add(Request("r", prompt, params))
+    events = engine.step()  # the prompt, then three first tokens
+    assert engine.abort("r", 1) is True
+    events += drain(engine)
+    finals = {e.sample: e.finish_reason for e in events if e.finished}
+    assert finals == {0: FINISH_LENGTH, 1: FINISH_ABORT, 2: FINISH_LENGTH}
+    assert len(tokens_of(events, "r", 0)) == len(tokens_of(events, "r", 2)) == 6
+    engine.add(Request("s", prompt, params))
+    engine.abort("s", 0)  # before the prompt ran: samples 1 and 2 still come
+    events = drain(engine)
+    finals = {e.sample: e.finish_reason for e in events if e.finished}
+    assert finals == {0: FINISH_ABORT, 1: FINISH_LENGTH, 2: FINISH_LENGTH}
+    assert lm.cache.leaks() == [] and not engine.has_work

@@ -55,7 +55,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self._live: dict = {}  # request_id -> Live (added, not yet fully finished)
         self._samples: dict = {}  # request_id -> its Sequence objects (the leader first)
-        self._inbox: deque = deque()  # ("add", Live, tokens) and ("abort", request_id), in order
+        self._inbox: deque = deque()  # ("add", Live, tokens), ("abort", id, sample): in order
         self._inbox_lock = threading.Lock()  # guards _inbox and the set of known ids
         self._known: set = set()
         self._busy = threading.Lock()  # held by whoever mutates the running state
@@ -105,14 +105,15 @@ class Engine:
             self._known.add(request.request_id)
             self._inbox.append(("add", live, tokens))
 
-    def abort(self, request_id) -> bool:
-        """Stop ``request_id`` now: its blocks are released (what it computed stays cached) at once,
-        or at the end of a step running in another thread. Its unfinished samples get an
-        ``"abort"`` event from the next ``step``. Returns False for an unknown or finished id."""
+    def abort(self, request_id, sample: int | None = None) -> bool:
+        """Stop request ``request_id`` (or only its sample ``sample``, e.g. on a stop string) now:
+        its blocks are released at once (what it computed stays cached), or at the end of a step
+        running in another thread. Each sample stopped gets an ``"abort"`` event from the next
+        ``step``. Returns False for an unknown or finished id (a no-op)."""
         with self._inbox_lock:
             if request_id not in self._known:
                 return False
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", request_id, sample))
         if self._busy.acquire(blocking=False):
             try:
                 with self.manager.lock:
@@ -169,7 +170,7 @@ class Engine:
                 _, live, tokens = item
                 self._enqueue(live, tokens)
             else:
-                events.extend(self._abort(item[1]))
+                events.extend(self._abort(item[1], item[2]))
 
     def _enqueue(self, live: Live, tokens: list) -> None:
         request = live.request
@@ -189,16 +190,22 @@ class Engine:
         if params.repetition_penalty != 1:
             seq.seen = set(seq.tokens)
 
-    def _abort(self, request_id) -> list[Event]:
+    def _abort(self, request_id, sample=None) -> list[Event]:
         live = self._live.get(request_id)
         if live is None:
             return []
-        for seq in self._samples[request_id]:
-            self.scheduler.finish(seq)
         n = 1 if live.request.prefill_only else live.request.params.n
-        events = [Event(request_id, i, None, True, FINISH_ABORT, live.cached_tokens)
-                  for i in range(n) if i not in live.finished]
-        self._forget(request_id)
+        stopped = [i for i in (range(n) if sample is None else [sample])
+                   if 0 <= i < n and i not in live.finished]
+        for seq in self._samples[request_id]:
+            if seq.sample in stopped and seq.fork == 1:
+                self.scheduler.finish(seq)  # a leader still to fork runs on for its samples
+        live.finished.update(stopped)
+        events = [Event(request_id, i, None, True, FINISH_ABORT, live.cached_tokens) for i in stopped]
+        if len(live.finished) == n:
+            for seq in self._samples[request_id]:
+                self.scheduler.finish(seq)
+            self._forget(request_id)
         return events
 
     def _forget(self, request_id) -> None:
@@ -246,10 +253,15 @@ class Engine:
             if seq.request.prefill_only:
                 events.extend(self._finish(seq, FINISH_PREFILLED, None))
                 continue
-            choosers.append((seq, row))
             if seq.fork > 1:
-                for child in self._fork(seq):
-                    choosers.append((child, row))
+                children = self._fork(seq)
+                if seq.sample in seq.live.finished:  # aborted before it forked: only the others
+                    self.scheduler.finish(seq)
+                else:
+                    choosers.append((seq, row))
+                choosers.extend((child, row) for child in children)
+            else:
+                choosers.append((seq, row))
             row += 1
         if not choosers:
             return events
@@ -276,6 +288,8 @@ class Engine:
         """Samples 1..n-1 of ``leader``'s request, right after its prompt."""
         children = []
         for i in range(1, leader.fork):
+            if i in leader.live.finished:
+                continue  # aborted before it existed
             child = Sequence(leader.live, i, list(leader.tokens), leader.prompt_len, leader.arrival)
             self._init_sampling(child)
             children.append(child)
