@@ -77,7 +77,7 @@ class KVPool:
         self._flat = [t.view(-1, num_kv_heads, head_dim) for t in self.layers]
         if self.quantized:
             self._flat = [t.view(torch.uint8) for t in self._flat]
-        self.scales = torch.ones(num_layers, 2, dtype=torch.float32, device=self.device)
+        self.scales = torch.zeros(num_layers, 2, dtype=torch.float32, device=self.device)  # 0: not set
         self._host_scales: list = [None] * num_layers  # (k, v) floats once the layer is calibrated
         self._clamped = torch.zeros(num_layers, 2, dtype=torch.int64, device=self.device)
 
@@ -134,8 +134,8 @@ class KVPool:
         return keys, values
 
     def host_scales(self, layer: int) -> tuple[float, float]:
-        """The fp8 (K, V) scales of ``layer`` as host floats (1.0 before the layer is calibrated)."""
-        return self._host_scales[layer] or (1.0, 1.0)
+        """The fp8 (K, V) scales of ``layer`` as host floats (0.0 before the layer is calibrated)."""
+        return self._host_scales[layer] or (0.0, 0.0)
 
     def calibrated_layers(self) -> int:
         """How many layers have fp8 scales calibrated on real K/V (0 for unquantized pools)."""
@@ -144,7 +144,7 @@ class KVPool:
     def reset_calibration(self) -> None:
         """Forget every fp8 scale and clamp count: the next write to each layer calibrates it again.
         Only valid while no block holds K/V that must be read back (e.g. after a self-test)."""
-        self.scales.fill_(1.0)
+        self.scales.zero_()
         self._host_scales = [None] * self.num_layers
         self._clamped.zero_()
 
@@ -167,14 +167,16 @@ class KVPool:
         """
         self._check_block(block)
         raw = torch.stack([layer[block].view(torch.uint8) for layer in self.layers]).cpu()
-        scales = tuple(self.scales.reshape(-1).tolist()) if self.quantized else ()
+        scales = tuple(x for layer in range(self.num_layers) for x in self.host_scales(layer)) \
+            if self.quantized else ()
         return BlockKV(raw.reshape(-1).numpy(), self._dtype_name, self._block_shape, scales)
 
     def import_block(self, block: int, kv: BlockKV) -> None:
         """Write ``kv`` (as ``export_block`` returns it, from any pool of this shape and dtype) into ``block``.
 
-        fp8: per layer and K/V, a pool scale not yet set adopts the value's, an equal one copies the
-        bytes, another one rescales them, and a rescale that would clip is refused. ``ValueError``
+        fp8: a layer whose scales are not set yet adopts the value's (K and V, as a first write would
+        calibrate both); per K/V of a set layer, an equal scale copies the bytes, another one
+        rescales them, and a rescale that would clip is refused. ``ValueError``
         (nothing written) on another dtype or shape, a payload of the wrong size, bad scales or a
         refused rescale.
         """
@@ -198,26 +200,25 @@ class KVPool:
             staged = torch.from_numpy(src.copy()).to(self.device)  # copy: src may be read-only
             for i, layer in enumerate(self.layers):
                 layer[block].view(torch.uint8).view(-1).copy_(staged[i * per_layer:(i + 1) * per_layer])
-        for layer, kv_index, scale in adopt:
-            self.scales[layer, kv_index] = scale
-            self._scales_set[layer][kv_index] = True
+        for layer, pair in adopt:
+            self._set_scales(layer, pair)
 
     def _rescaled(self, src: np.ndarray, scales) -> tuple[np.ndarray, list]:
-        """fp8 bytes re-expressed in this pool's scales, and the (layer, K/V, scale) to adopt."""
+        """fp8 bytes re-expressed in this pool's scales, and the (layer, (K, V) scales) to adopt."""
         if len(scales) != 2 * self.num_layers:
             raise ValueError(f"fp8 K/V needs {2 * self.num_layers} scales, got {len(scales)}")
-        current = self.scales.tolist()
         q = src.reshape(self.num_layers, 2, -1)
         out, adopt = None, []
         for layer in range(self.num_layers):
-            for j in range(2):
-                theirs = float(scales[2 * layer + j])
+            pair = tuple(float(scales[2 * layer + j]) for j in range(2))
+            for theirs in pair:
                 if not (math.isfinite(theirs) and theirs > 0):
                     raise ValueError(f"fp8 scale {theirs!r} of layer {layer} is not a positive number")
-                if not self._scales_set[layer][j]:
-                    adopt.append((layer, j, theirs))
-                    continue
-                ours = current[layer][j]
+            current = self._host_scales[layer]
+            if current is None:
+                adopt.append((layer, pair))
+                continue
+            for j, (theirs, ours) in enumerate(zip(pair, current)):
                 if theirs == ours:
                     continue
                 x = torch.from_numpy(q[layer, j].copy()).view(torch.float8_e4m3fn).float() * theirs
@@ -249,9 +250,13 @@ class KVPool:
     def _calibrate(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Set the K and V scales of ``layer`` from its first real write (one host read)."""
         amax = torch.stack([keys.detach().abs().amax(), values.detach().abs().amax()]).float().tolist()
-        pair = tuple(max(a * FP8_HEADROOM / FP8_MAX, 1e-8) for a in amax)
-        self._host_scales[layer] = pair
-        self.scales[layer].copy_(torch.tensor(pair, dtype=torch.float32))
+        self._set_scales(layer, [max(a * FP8_HEADROOM / FP8_MAX, 1e-8) for a in amax])
+
+    def _set_scales(self, layer: int, pair) -> None:
+        """The device scales of ``layer`` and their host mirror, equal to the last bit (float32)."""
+        exact = torch.tensor(list(pair), dtype=torch.float32)
+        self._host_scales[layer] = tuple(exact.tolist())
+        self.scales[layer].copy_(exact)
 
     def _dequantize(self, layer: int, kv: int, q: torch.Tensor) -> torch.Tensor:
         return (q.view(torch.float8_e4m3fn).to(torch.float32) * self.scales[layer, kv]).to(self.dtype)
