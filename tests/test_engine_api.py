@@ -192,3 +192,27 @@ def test_abort_of_one_sample_leaves_the_others_running(model):
     finals = {e.sample: e.finish_reason for e in events if e.finished}
     assert finals == {0: FINISH_ABORT, 1: FINISH_LENGTH, 2: FINISH_LENGTH}
     assert lm.cache.leaks() == [] and not engine.has_work
+
+
+def test_a_failing_forward_ends_its_requests_with_error_events(model, monkeypatch):
+    """The model raising in a step: every request of that step gets "error" events (saying why),
+    nothing stays held, last_error keeps the exception, and the engine serves the next request."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
+    engine = lm.new_engine()
+    engine.add(Request("a", random_ids(9, 12)[0].tolist(), SamplingParams(max_new_tokens=4, n=2,
+                                                                          do_sample=True)))
+    real = lm.runner.forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(lm.runner, "forward", broken)
+    events = engine.step()
+    assert [(e.sample, e.finish_reason) for e in events] == [(0, "error"), (1, "error")]
+    assert all("device fell over" in e.error for e in events)
+    assert isinstance(engine.last_error, RuntimeError) and not engine.has_work
+    assert lm.cache.leaks() == [] and lm.cache.pinned_blocks == 0
+    monkeypatch.setattr(lm.runner, "forward", real)
+    prompt = random_ids(9, 13)[0].tolist()
+    engine.add(Request("b", prompt, SamplingParams(max_new_tokens=3)))
+    assert tokens_of(drain(engine), "b") == plain_continuation(model, prompt, 3)

@@ -7,10 +7,10 @@ loop run to completion for a list of prompts (``generate_batch``).
 
 from radixcache.engine.batch import BatchOutput, BatchRun, StreamToken
 from radixcache.engine.engine import Engine
-from radixcache.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_PREFILLED, FINISH_REASONS,
-                                       FINISH_STOP, Event, Request, SamplingParams)
+from radixcache.engine.request import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREFILLED,
+                                       FINISH_REASONS, FINISH_STOP, Event, Request, SamplingParams)
 from radixcache.engine.runner import EngineMetrics, ModelRunner
 
-__all__ = ["BatchOutput", "BatchRun", "Engine", "EngineMetrics", "Event", "FINISH_ABORT",
+__all__ = ["BatchOutput", "BatchRun", "Engine", "EngineMetrics", "Event", "FINISH_ABORT", "FINISH_ERROR",
            "FINISH_LENGTH", "FINISH_PREFILLED", "FINISH_REASONS", "FINISH_STOP", "ModelRunner",
            "Request", "SamplingParams", "StreamToken"]

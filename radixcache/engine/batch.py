@@ -14,7 +14,7 @@ import time
 import weakref
 from typing import NamedTuple
 
-from radixcache.engine.request import Request
+from radixcache.engine.request import FINISH_ERROR, Request
 from radixcache.errors import OutOfBlocks
 
 STALL_SLEEP_S = 0.001  # wait for blocks held outside the engine (another thread's generate)
@@ -104,6 +104,9 @@ class BatchRun:
             p = self._index.get(ev.request_id)
             if p is None:
                 continue
+            if ev.finish_reason == FINISH_ERROR:
+                self.close()
+                raise self.engine.last_error
             self.cached[p] = ev.cached_tokens
             if ev.token is not None:
                 self.samples[p][ev.sample].append(ev.token)

@@ -16,7 +16,6 @@ of an engine and route events by ``request_id``.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -24,14 +23,12 @@ from collections import deque
 import torch
 
 from radixcache.attention.plan import Segment, StepPlan
-from radixcache.engine.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_PREFILLED, FINISH_STOP,
-                                       Event, Request)
+from radixcache.engine.request import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREFILLED,
+                                       FINISH_STOP, Event, Request, checked_prompt)
 from radixcache.engine.runner import EngineMetrics, ModelRunner
 from radixcache.engine.sampling import Row, choose, sample_generator
 from radixcache.engine.scheduler import Scheduler
 from radixcache.engine.sequence import Live, Sequence
-from radixcache.errors import OutOfBlocks
-from radixcache.tree import as_token_tuple
 
 
 class Engine:
@@ -60,6 +57,7 @@ class Engine:
         self._known: set = set()
         self._busy = threading.Lock()  # held by whoever mutates the running state
         self._pending: list[Event] = []  # events produced outside a step (aborts)
+        self.last_error: BaseException | None = None  # the exception of the last failed forward
         self._arrivals = 0
 
     # ------------------------------------------------------------------ public
@@ -74,19 +72,8 @@ class Engine:
         Raises ``TypeError``/``ValueError`` for a bad request or token id or a request id already
         in use, and ``OutOfBlocks`` for a prompt the whole pool cannot hold.
         """
-        if not isinstance(request, Request):
-            raise TypeError(f"expected a radixcache.engine.Request, got {type(request).__name__}")
-        tokens = list(as_token_tuple(request.prompt))
-        vocab = self.runner.vocab_size
-        bad = next((t for t in tokens if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"request {request.request_id!r}: token id {bad} is outside the "
-                             f"vocabulary 0..{vocab - 1}")
-        blocks = self.manager.allocator.num_blocks
-        if math.ceil(len(tokens) / self.manager.block_size) + 1 > blocks:
-            raise OutOfBlocks(f"request {request.request_id!r}: a prompt of {len(tokens)} tokens "
-                              f"does not fit a pool of {blocks} blocks of {self.manager.block_size}: "
-                              "raise max_cache_tokens")
+        tokens = checked_prompt(request, self.runner.vocab_size, self.manager.allocator.num_blocks,
+                                self.manager.block_size)
         if request.request_id in self._known:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         return tokens
@@ -125,8 +112,9 @@ class Engine:
     def step(self) -> list[Event]:
         """Run one step; return the events it produced (empty when there was nothing to do).
 
-        An exception from the model ends every request of the step (what earlier steps computed
-        stays cached, nothing stays held) and propagates; the engine stays usable.
+        An exception from the model ends every request of the step with ``"error"`` events (what
+        earlier steps computed stays cached, nothing stays held; ``last_error`` keeps the exception)
+        and the engine stays usable; ``KeyboardInterrupt`` and the like do the same, then propagate.
         """
         with self._busy:
             with self.manager.lock:
@@ -143,9 +131,10 @@ class Engine:
                 used = self.manager.allocator.num_blocks - self.manager.allocator.num_free
                 self.metrics.peak_used_blocks = max(self.metrics.peak_used_blocks, used)
             if batch:
-                logits = self._forward(batch)
+                logits = self._forward(batch, events)
                 with self.manager.lock:
-                    events.extend(self._advance(batch, logits))
+                    if logits is not None:
+                        events.extend(self._advance(batch, logits))
                     events.extend(self._drain())
                 self.metrics.steps += 1
                 self.metrics.step_tokens += sum(k for _, k in batch)
@@ -215,7 +204,7 @@ class Engine:
             self._known.discard(request_id)
 
     # ------------------------------------------------------------------ the step
-    def _forward(self, batch) -> torch.Tensor:
+    def _forward(self, batch, events: list) -> torch.Tensor | None:
         tokens, positions, segments, keep = [], [], [], []
         for seq, k in batch:
             start = seq.computed
@@ -228,17 +217,33 @@ class Engine:
         try:
             plan = StepPlan(self.pool, segments, self.backend)
             logits = self.runner.forward(tokens, positions, plan, keep or [0])
-        except BaseException:
+        except BaseException as e:
+            self.last_error = e
             with self.manager.lock:
-                failed = {seq.request.request_id for seq, _ in batch}
-                for request_id in failed:
-                    for seq in self._samples.get(request_id, []):
-                        self.scheduler.finish(seq)
-                    self._forget(request_id)
-            raise
+                events.extend(self._fail({seq.request.request_id for seq, _ in batch}, e))
+            if not isinstance(e, Exception):
+                raise
+            return None
         finally:
             self.metrics.forward_s += time.perf_counter() - began
         return logits
+
+    def _fail(self, request_ids, error: BaseException) -> list[Event]:
+        """End ``request_ids`` after a failed forward: release everything, one "error" event per
+        unfinished sample."""
+        events = []
+        why = f"{type(error).__name__}: {error}"
+        for request_id in request_ids:
+            live = self._live.get(request_id)
+            if live is None:
+                continue
+            for seq in self._samples[request_id]:
+                self.scheduler.finish(seq)
+            n = 1 if live.request.prefill_only else live.request.params.n
+            events.extend(Event(request_id, i, None, True, FINISH_ERROR, live.cached_tokens, why)
+                          for i in range(n) if i not in live.finished)
+            self._forget(request_id)
+        return events
 
     def _advance(self, batch, logits: torch.Tensor) -> list[Event]:
         """Record what the forward computed, choose the next tokens, finish what is done."""

@@ -9,7 +9,9 @@ True; its ``finish_reason`` says why:
 - ``"stop"``: the sample produced one of ``SamplingParams.stop_token_ids`` (the token is included);
 - ``"length"``: ``max_new_tokens`` were generated, or the sequence outgrew the whole KV pool;
 - ``"abort"``: ``Engine.abort`` was called (the event carries no token);
-- ``"prefilled"``: a ``prefill_only`` request has its prompt's K/V in the cache (no token).
+- ``"prefilled"``: a ``prefill_only`` request has its prompt's K/V in the cache (no token);
+- ``"error"``: the model failed in a step this request was part of (``error`` says how; what
+  earlier steps computed stays cached, nothing stays held; ``Engine.last_error`` is the exception).
 
 Types here are plain data: they import no model code and are safe to pass between threads.
 """
@@ -22,11 +24,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from radixcache.errors import OutOfBlocks
+from radixcache.tree import as_token_tuple
+
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_PREFILLED = "prefilled"
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREFILLED)
+FINISH_ERROR = "error"
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREFILLED, FINISH_ERROR)
 
 
 def _int(name: str, value, low: int) -> int:
@@ -143,10 +149,11 @@ class Request:
 class Event(NamedTuple):
     """What one step did for one sample of a request.
 
-    ``token`` is the new token id (None for ``"abort"`` and ``"prefilled"``); ``finished`` and
-    ``finish_reason`` (one of ``FINISH_REASONS``, None while running) end the sample;
-    ``cached_tokens`` is how many prompt tokens of the request were served from the cache at its
-    first admission (``usage.prompt_tokens_details.cached_tokens``).
+    ``token`` is the new token id (None for ``"abort"``, ``"prefilled"`` and ``"error"``);
+    ``finished`` and ``finish_reason`` (one of ``FINISH_REASONS``, None while running) end the
+    sample; ``cached_tokens`` is how many prompt tokens of the request were served from the cache
+    at its first admission (``usage.prompt_tokens_details.cached_tokens``); ``error`` describes the
+    failure of an ``"error"`` event.
     """
 
     request_id: Hashable
@@ -155,3 +162,21 @@ class Event(NamedTuple):
     finished: bool
     finish_reason: str | None
     cached_tokens: int
+    error: str | None = None
+
+
+def checked_prompt(request: Request, vocab_size: int, num_blocks: int, block_size: int) -> list:
+    """``request``'s prompt as a list of ids, or ``TypeError``/``ValueError`` (not a ``Request``,
+    an id outside the vocabulary) or ``OutOfBlocks`` (a prompt a pool of ``num_blocks`` blocks
+    cannot hold, with a block to spare for its first new token)."""
+    if not isinstance(request, Request):
+        raise TypeError(f"expected a radixcache.engine.Request, got {type(request).__name__}")
+    tokens = list(as_token_tuple(request.prompt))
+    bad = next((t for t in tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"request {request.request_id!r}: token id {bad} is outside the "
+                         f"vocabulary 0..{vocab_size - 1}")
+    if math.ceil(len(tokens) / block_size) + 1 > num_blocks:
+        raise OutOfBlocks(f"request {request.request_id!r}: a prompt of {len(tokens)} tokens does not "
+                          f"fit a pool of {num_blocks} blocks of {block_size}: raise max_cache_tokens")
+    return tokens
