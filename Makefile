@@ -1,5 +1,7 @@
 # Every target sets itself up on a fresh machine: it creates .venv and installs what it needs.
-# torch is pinned to a CPU-friendly build by default; override with e.g. `make TORCH="torch==2.9.1" test`.
+# torch is pinned to torch==2.13.0 by default: a CPU build where the index path carries one (this
+# machine's does); elsewhere pip picks the platform's default wheel. Override with e.g.
+# `make TORCH="torch==2.9.1" test`.
 PYTHON ?= python3
 # Mooncake-format traces for the replay benchmark (`make bench TRACES="a.jsonl b.jsonl"`); without
 # any, it replays its synthetic agent trace only.

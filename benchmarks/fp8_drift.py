@@ -21,6 +21,9 @@ exactly the asked length.
    including after the runs have diverged, where agreement is mostly by chance).
 3. KV bytes per token (``stats()["kv_bytes_per_token"]``) of fp32, bf16 and fp8 KV wrappers, and how
    many tokens each holds in the same byte budget (fp8 holds 2x bf16, 4x fp32).
+4. The fp8 scales: calibrated per layer on the first real K/V written (the first prompt's prefill,
+   not the wrap-time self-test), their range over layers for K and V, and how many writes of the
+   whole run exceeded a layer's calibrated range and were clamped (``stats()["fp8_clamped_writes"]``).
 
     python benchmarks/fp8_drift.py [--quick] [--json PATH] [--threads N]
 """
@@ -151,7 +154,13 @@ def run(cfg: dict, load=None, log=lambda msg: None) -> dict:
     for r in bytes_rows:
         r["vs_bf16"] = r["tokens_in_budget"] / by_kv["bf16"]["tokens_in_budget"]
     fp8 = lms[FP8]
-    return dict(model=model_label(model), device=str(model.device), logits=logit_rows,
+    pool = fp8.pool
+    scales = [pool.host_scales(layer) for layer in range(pool.num_layers)]
+    calibration = dict(layers=pool.num_layers, calibrated=pool.calibrated_layers(),
+                       k_scale_min=min(k for k, _ in scales), k_scale_max=max(k for k, _ in scales),
+                       v_scale_min=min(v for _, v in scales), v_scale_max=max(v for _, v in scales),
+                       clamped_writes=fp8.stats()["fp8_clamped_writes"])
+    return dict(calibration=calibration, model=model_label(model), device=str(model.device), logits=logit_rows,
                 greedy=greedy_rows, greedy_all=greedy_all, greedy_s=greedy_s, bytes=bytes_rows,
                 fp8_holds_2x_bf16=by_kv[FP8]["bytes_per_token"] * 2 == by_kv["bf16"]["bytes_per_token"],
                 config=cfg, cache_tokens=cache_tokens, threads=torch.get_num_threads(),
@@ -192,6 +201,12 @@ def render(report: dict) -> str:
     out.append(table(("KV dtype", "bytes/token", "tokens in budget", "x bf16"), rows))
     out.append("fp8 holds 2x the tokens of bf16 in the same budget: "
                + ("yes" if report["fp8_holds_2x_bf16"] else "NO"))
+    c = report["calibration"]
+    out.append("")
+    out.append("fp8 scales (one K and one V scale per layer, calibrated on the first real K/V)")
+    out.append(table(("layers calibrated", "K scale min..max", "V scale min..max", "clamped writes"),
+                     [(f"{c['calibrated']}/{c['layers']}", f"{c['k_scale_min']:.3g}..{c['k_scale_max']:.3g}",
+                       f"{c['v_scale_min']:.3g}..{c['v_scale_max']:.3g}", str(c["clamped_writes"]))]))
     if report["fp8_unsupported"] or report["fp8_stats"].get("fallbacks"):
         out.append(f"note: the fp8 wrapper fell back to plain generate ({report['fp8_unsupported']}; "
                    f"{report['fp8_stats']})")

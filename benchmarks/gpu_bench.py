@@ -14,6 +14,8 @@ then the timed call from a cold cache. Reported per backend:
 - ``gen_tok_s``: generated tokens / wall time of the call; ``step_tok_s``: every token the
   forwards computed (uncached prompt tokens + generated) / wall time;
 - ``ttft_p50_ms`` / ``ttft_p90_ms``: time from the call's start to each request's first token;
+- ``generate_ttft_ms``: the drop-in path: TTFT of one ``lm.generate`` turn whose system prompt is
+  cached (it reads the block tables through the same backend);
 - ``hit_rate``: prompt tokens served from the cache / prompt tokens admitted.
 
 And one direct forward through each backend on the same blocks (a mixed prefill step of four
@@ -44,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import radixcache  # noqa: E402
+from benchmarks.measure import timed_generate, timed_stream  # noqa: E402
 from radixcache.attention import Segment, StepPlan  # noqa: E402
 
 
@@ -89,7 +92,8 @@ def sync(device):
 
 
 def run_backend(model, attention, prompts, warm_prompts, args, device):
-    """Warm up, then time one cold-cache generate_batch call; returns (row dict, outputs, lm)."""
+    """Warm up, then time one cold-cache generate_batch call and one cached generate turn;
+    returns (row dict, outputs, lm)."""
     need = sum(len(p) + args.new for p in prompts) + 64 * len(prompts)
     lm = radixcache.wrap(model, attention=attention, max_cache_tokens=max(need, 4096))
     t0 = time.perf_counter()
@@ -97,66 +101,71 @@ def run_backend(model, attention, prompts, warm_prompts, args, device):
     sync(device)
     warmup = time.perf_counter() - t0
     lm.clear()
+    lm.reset_stats()
+    engine = lm.new_engine()
     sync(device)
-    t0 = time.perf_counter()
-    outputs = lm.generate_batch(prompts, max_new_tokens=args.new)
+    outputs, first, wall = timed_stream(lm.generate_batch(prompts, max_new_tokens=args.new,
+                                                          stream=True, engine=engine))
     sync(device)
-    wall = time.perf_counter() - t0
-    stats = lm._engine.last_run
+    hit_rate = lm.stats()["hit_rate"]
+    # the drop-in path: a cached turn (the system prompt is in the tree now) through lm.generate
+    turn = torch.tensor([prompts[0][:args.system] + prompts[-1][args.system:][::-1]], device=device)
+    _, _, gen_ttft, _ = timed_generate(lm.generate, turn, max_new_tokens=4, do_sample=False)
     leaks = lm.cache.leaks()
     if leaks:
         raise SystemExit(f"{attention}: leaked cache state: {leaks}")
     lm.clear()
-    if lm.allocator.num_free != lm.allocator.num_blocks:
+    if lm.manager.allocator.num_free != lm.manager.allocator.num_blocks:
         raise SystemExit(f"{attention}: blocks leaked after clear()")
-    ttft = sorted(stats.ttft_s.values())
+    ttft = sorted(first.values())
     generated = sum(len(o[0]) for o in outputs)
     row = {
-        "backend": lm._engine.backend.name,
+        "backend": lm.backend.name,
         "wall_s": wall,
         "warmup_s": warmup,
         "generated_tokens": generated,
-        "computed_tokens": stats.computed_tokens,
+        "computed_tokens": engine.metrics.step_tokens,
         "gen_tok_s": generated / wall,
-        "step_tok_s": stats.computed_tokens / wall,
+        "step_tok_s": engine.metrics.step_tokens / wall,
         "ttft_p50_ms": 1000 * statistics.median(ttft),
         "ttft_p90_ms": 1000 * ttft[min(len(ttft) - 1, math.ceil(0.9 * len(ttft)) - 1)],
-        "hit_rate": stats.hit_rate,
-        "steps": stats.steps,
+        "generate_ttft_ms": 1000 * gen_ttft,
+        "hit_rate": hit_rate,
+        "steps": engine.metrics.steps,
     }
     return row, outputs, lm
 
 
-def one_forward(lm, backend, seqs):
+def one_forward(lm, seqs):
     """Logits of a mixed prefill step over fresh blocks, then of a pure-decode step (one more
-    token per sequence, the next token of ``seq[::-1]``); blocks are released afterwards."""
-    bs, device = lm.block_size, lm.device
-    tables = [lm.allocator.allocate(math.ceil((len(s) + 1) / bs)) for s in seqs]
+    token per sequence, the next token of ``seq[::-1]``), through the wrapper's runner and
+    backend; blocks are released afterwards."""
+    bs = lm.block_size
+    allocator = lm.manager.allocator
+    tables = [allocator.allocate(math.ceil((len(s) + 1) / bs)) for s in seqs]
     try:
         results = []
         for step in ("prefill", "decode"):
-            ids, pos, segments = [], [], []
+            ids, pos, segments, last = [], [], [], []
             for s, blocks in zip(seqs, tables):
                 new = s if step == "prefill" else [s[-2]]
                 start = 0 if step == "prefill" else len(s)
                 segments.append(Segment(len(ids), len(new), start + len(new), tuple(blocks)))
                 ids += new
                 pos += range(start, start + len(new))
-            plan = StepPlan(lm.pool, segments, backend)
-            with torch.no_grad():
-                out = lm.model(input_ids=torch.tensor([ids], device=device),
-                               position_ids=torch.tensor([pos], device=device),
-                               use_cache=False, radixcache_plan=plan)
-            results.append(out.logits[0].float())
+                last.append(len(ids) - 1)
+            plan = StepPlan(lm.pool, segments, lm.backend)
+            rows = list(range(len(ids))) if step == "prefill" else last
+            results.append(lm.runner.forward(ids, pos, plan, rows))
         return results
     finally:
         for blocks in tables:
-            lm.allocator.release(blocks)
+            allocator.release(blocks)
 
 
 def logit_diffs(lms, seqs):
     """max |logit diff| flashinfer vs torch (prefill and decode steps), torch vs HF (prefill)."""
-    logits = {name: one_forward(lm, lm._engine.backend, seqs) for name, lm in lms.items()}
+    logits = {name: one_forward(lm, seqs) for name, lm in lms.items()}
     out = {}
     if "torch" in logits:
         lm = lms["torch"]
@@ -204,8 +213,8 @@ def main(argv=None) -> int:
         row, outputs[attention], lms[attention] = run_backend(model, attention, prompts, warm_prompts,
                                                               args, device)
         rows.append(row)
-    cols = ["backend", "gen_tok_s", "step_tok_s", "ttft_p50_ms", "ttft_p90_ms", "wall_s",
-            "warmup_s", "hit_rate", "steps"]
+    cols = ["backend", "gen_tok_s", "step_tok_s", "ttft_p50_ms", "ttft_p90_ms", "generate_ttft_ms",
+            "wall_s", "warmup_s", "hit_rate", "steps"]
     print("\n" + "  ".join(f"{c:>12}" for c in cols))
     for r in rows:
         print("  ".join(f"{r[c]:>12.4g}" if isinstance(r[c], float) else f"{r[c]:>12}" for c in cols))
@@ -221,7 +230,7 @@ def main(argv=None) -> int:
     for name, value in result["max_abs_logit_diff"].items():
         print(f"max |logit diff| {name}: {value:.4g}")
     for lm in lms.values():
-        if lm.allocator.num_free != lm.allocator.num_blocks:
+        if lm.manager.allocator.num_free != lm.manager.allocator.num_blocks:
             raise SystemExit("blocks leaked by the one-forward comparison")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

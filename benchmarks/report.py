@@ -34,3 +34,32 @@ def model_label(model) -> str:
     name = Path(str(getattr(model.config, "_name_or_path", "") or "")).name
     desc = f"{type(model).__name__}, {next(model.parameters()).dtype}"
     return f"{name} ({desc})" if name else desc
+
+
+def percentile(values, q: float):
+    """Linear-interpolated percentile (q in 0..100) of the values that are not None, or None."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    pos = (len(values) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def mib(n) -> str:
+    """Bytes as MiB with one decimal, or "-" for None."""
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def ratio(value, reference):
+    """value / reference, or None when either is missing or the reference is 0."""
+    if value is None or not reference:
+        return None
+    return value / reference
+
+
+def met(value, target, below: bool = True) -> str:
+    """"yes"/"NO" for value <= target (or >= when ``below`` is False), "-" when not measured."""
+    if value is None:
+        return "-"
+    return "yes" if (value <= target if below else value >= target) else "NO"

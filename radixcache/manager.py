@@ -71,8 +71,9 @@ class CacheManager:
         """Start a sequence of ``tokens`` (at least one): match ``tokens[:-1]``, pin the match and
         hold its blocks; copy a matching partial tail into a block of the lease's own when one is
         free or freeable (else the tail is recomputed). ``count=False`` (a preempted sequence coming
-        back) keeps it out of the ledger. Raises TypeError/ValueError for bad tokens, before any
-        change; never OutOfBlocks."""
+        back, or a scheduler's tentative admission, counted by ``record_admission`` once it sticks)
+        keeps it out of the ledger. Raises TypeError/ValueError for bad tokens, before any change;
+        never OutOfBlocks."""
         tokens = as_token_tuple(tokens)
         if not tokens:
             raise ValueError("empty prompt: a request needs at least one token")
@@ -87,12 +88,21 @@ class CacheManager:
             lease.cached_tokens = lease.computed
             self._live[id(lease)] = lease
             if count:
-                led = self.ledger
-                led.requests += 1
-                led.queried_tokens += len(tokens)
-                led.hit_tokens += lease.cached_tokens
-                led.computed_prompt_tokens += len(tokens) - lease.cached_tokens
+                self.record_admission(lease, len(tokens))
             return lease
+
+    def record_admission(self, lease: Lease, prompt_tokens: int) -> None:
+        """Count in the ledger the request of ``lease`` (admitted with ``count=False``): its
+        ``prompt_tokens`` queried, ``lease.cached_tokens`` of them hit. A scheduler that admits
+        tentatively (and backs out when the first chunk's blocks cannot be had) counts only the
+        admission it keeps, so a prompt is never counted twice."""
+        with self.lock:
+            self._check_live(lease, "record_admission")
+            led = self.ledger
+            led.requests += 1
+            led.queried_tokens += prompt_tokens
+            led.hit_tokens += lease.cached_tokens
+            led.computed_prompt_tokens += prompt_tokens - lease.cached_tokens
 
     def grow(self, lease: Lease, length: int) -> None:
         """Give ``lease`` blocks for ``length`` tokens, allocating only what is missing and evicting

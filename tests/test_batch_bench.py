@@ -39,9 +39,9 @@ def tiny_llama():
 
 TINY_BATCH = dict(requests=4, system_tokens=40, unique_tokens=8, new_tokens=4, samples=2,
                   temperature=0.8, repeats=1, cb_repeats=1, cb_greedy=4, cb_sampled=2,
-                  plain_greedy=2, plain_sampled=1, sched_systems=2, sched_per_system=3,
-                  sched_system_tokens=48, sched_unique_tokens=8, sched_new_tokens=2,
-                  sched_cache_prompts=1.5)
+                  plain_greedy=2, plain_sampled=1, floor_requests=3, floor_new_tokens=3,
+                  sched_systems=2, sched_per_system=3, sched_system_tokens=48,
+                  sched_unique_tokens=8, sched_new_tokens=2, sched_cache_prompts=1.5)
 
 
 @pytest.fixture(autouse=True)
@@ -61,22 +61,30 @@ def test_ideal_blocks_formula():
 
 
 def test_batch_core_runs_and_prints_tables():
+    """Every system runs; radixcache's greedy tokens equal plain generate's and the floor's; the
+    shared system prompt is hit; peak blocks stay within the ideal's slack; both policies run."""
     report = batch.run(TINY_BATCH, load=tiny_llama)
     text = batch.render(report)
     header = text.splitlines()[0]
     for column in batch.COLUMNS:
         assert column in header
     for system in ("radixcache generate_batch", "transformers CB generate_batch", "plain generate"):
-        assert text.count(system) == 2  # greedy and n=2 sampled
-    assert "greedy agreement" in text and "schedule" in text and "fcfs" in text
+        assert text.count(system) >= 2  # greedy and n=2 sampled
+    assert "floor" in text and "overhead ms/step" in text and "fcfs" in text
     greedy, sampled = report["modes"]
     assert greedy["ideal_blocks"] == batch.ideal_blocks(40, 8, 4, 4, 1)
-    assert greedy["radixcache"]["generated"] == 4 * 4 and sampled["radixcache"]["generated"] == 4 * 2 * 4
+    rc = greedy["radixcache"]
+    assert rc["generated"] == 4 * 4 and sampled["radixcache"]["generated"] == 4 * 2 * 4
     assert greedy["cb"]["generated"] == 4 * 4 and sampled["cb"]["generated"] == 2 * 2 * 4
-    assert greedy["radixcache"]["peak_blocks"] > 0
+    assert 0 < rc["peak_blocks"] <= batch.PEAK_SLACK * greedy["ideal_blocks"]
+    assert rc["hit_rate"] >= 3 * 32 / (4 * 48)  # three prompts hit the system prompt's 2 blocks
     same, compared = greedy["agreement"]["radixcache_vs_plain"]
-    assert compared == 2 and same == compared  # radixcache's greedy tokens are plain generate's
+    assert compared == 2 and same == compared
+    floor = report["floor"]
+    assert floor["same_tokens"] and floor["steps"] >= 3 and floor["radix_overhead_ms"] >= 0
+    assert floor["radix_forward_ms"] > 0 and floor["floor_decode_step_ms"] > 0
     assert {r["schedule"] for r in report["schedulers"]} == {"lpm", "fcfs"}
+    assert all(r["generated"] == 6 * 2 for r in report["schedulers"])
 
 
 def test_batch_main_quick_writes_json(tmp_path, capsys):
@@ -86,6 +94,7 @@ def test_batch_main_quick_writes_json(tmp_path, capsys):
     try:
         batch.QUICK.update(requests=3, system_tokens=32, unique_tokens=4, new_tokens=2, samples=2,
                            cb_greedy=3, cb_sampled=2, plain_greedy=1, plain_sampled=1,
+                           floor_requests=2, floor_new_tokens=2, sched_systems=2,
                            sched_per_system=2, sched_system_tokens=32, sched_unique_tokens=4)
         assert batch.main(["--quick", "--threads", "1", "--json", str(out)], load=tiny_llama) == 0
     finally:
@@ -95,6 +104,7 @@ def test_batch_main_quick_writes_json(tmp_path, capsys):
     assert batch.HEADER in printed and "[--quick]" in printed and "ideal blocks" in printed
     payload = json.loads(out.read_text())
     assert payload["benchmark"] == "batch" and len(payload["modes"]) == 2
+    assert payload["floor"]["same_tokens"] is True and payload["floor"]["ratio"] > 0
 
 
 def test_fp8_drift_core_runs_and_prints_tables(tmp_path, capsys):
@@ -118,3 +128,7 @@ def test_fp8_drift_core_runs_and_prints_tables(tmp_path, capsys):
     assert {r["kv"] for r in report["greedy"]} == {"fp8 (e4m3)", "bf16"}
     assert all(0.0 <= r["agree_overall"] <= 1.0 for r in report["greedy"])
     assert all(r["fp32_vs_model"] < 1e-3 for r in report["logits"])  # fp32 KV = the model
+    assert "fp8 scales" in printed
+    c = report["calibration"]
+    assert c["calibrated"] == c["layers"] == 2 and 0 < c["k_scale_min"] <= c["k_scale_max"]
+    assert all(r["argmax_agree"] for r in report["logits"] if r["kv"] == "bf16")

@@ -1,20 +1,22 @@
-"""The batching engine: exact greedy outputs, shared blocks, preemption, streaming, failure safety."""
+"""generate_batch over the engine: exact greedy outputs, shared blocks, preemption, streaming, seeds,
+failure safety, scheduling policies."""
+
+import gc
 
 import pytest
 import torch
 
 import radixcache
 from radixcache import OutOfBlocks
-from radixcache.engine import Engine
 from tiny_models import FAMILIES, random_ids, tiny_model
 
 BS = 4
 
 
-def plain_continuation(model, prompt, max_new):
+def plain_continuation(model, prompt, max_new, **kw):
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                         do_sample=False)
+                         do_sample=False, **kw)
     return out[0, len(prompt):].tolist()
 
 
@@ -35,18 +37,21 @@ def test_batch_equals_one_by_one_generate(family_model):
     """Every prompt of a mixed batch (shared prefixes, none, different lengths) gets exactly the
     tokens of one-by-one greedy model.generate; the shared system prompt is computed once."""
     lm = radixcache.wrap(family_model, block_size=BS, max_cache_tokens=4096)
+    assert lm.engine_unsupported is None
     prompts = mixed_prompts()
     want = [plain_continuation(family_model, p, 7) for p in prompts]
     got = lm.generate_batch(prompts, max_new_tokens=7)
     assert [g[0] for g in got] == want
-    run = lm._engine.last_run
-    assert run.hit_tokens >= 3 * 20  # three prompts reuse the 5 whole blocks of the system prompt
-    assert run.generated_tokens == 7 * len(prompts)
+    stats = lm.stats()
+    # the system prompt (22 tokens) is computed once: the 3 prompts behind it hit at least 20 each
+    assert sum(got.cached_tokens[:4]) >= 3 * 20
+    assert stats["generated_tokens"] == 7 * len(prompts)
+    assert stats["requests"] == len(prompts) and stats["fallbacks"] == 0
     lm.cache.check()
-    # a second batch hits what the first one left in the tree
+    lm.reset_stats()
     again = lm.generate_batch(prompts[:2], max_new_tokens=7)
     assert [g[0] for g in again] == want[:2]
-    assert lm._engine.last_run.hit_rate > 0.7
+    assert lm.stats()["hit_rate"] > 0.7
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,8 @@ def model():
 
 
 def test_eos_stops_a_sample_and_is_included(model):
-    """A sample ends at EOS (included, like model.generate); others run to max_new_tokens."""
+    """A sample ends at EOS (included, like model.generate) with reason "stop"; others run to
+    max_new_tokens with reason "length"."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
     prompt = random_ids(10, 3)[0].tolist()
     free_run = plain_continuation(model, prompt, 6)
@@ -63,69 +69,119 @@ def test_eos_stops_a_sample_and_is_included(model):
     got = lm.generate_batch([prompt, random_ids(12, 4)[0].tolist()], max_new_tokens=6,
                             eos_token_id=eos)
     assert got[0][0] == free_run[:free_run.index(eos) + 1]
+    assert got.finish_reasons[0] == ["stop"]
+    if eos not in got[1][0]:
+        assert got.finish_reasons[1] == ["length"] and len(got[1][0]) == 6
+
+
+def test_eos_none_turns_eos_off_and_stop_ids_add_more(model):
+    """eos_token_id=None disables the model's EOS (as in model.generate); stop_token_ids end too."""
+    prompt = random_ids(10, 3)[0].tolist()
+    free_run = plain_continuation(model, prompt, 6)
+    model.generation_config.eos_token_id = free_run[1]
+    try:
+        lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
+        assert lm.generate_batch([prompt], max_new_tokens=6)[0][0] == free_run[:2]
+        assert lm.generate_batch([prompt], max_new_tokens=6, eos_token_id=None)[0][0] == free_run
+        stopped = lm.generate_batch([prompt], max_new_tokens=6, eos_token_id=None,
+                                    stop_token_ids=[free_run[3]])
+        assert stopped[0][0] == free_run[:4] and stopped.finish_reasons == [["stop"]]
+    finally:
+        model.generation_config.eos_token_id = None
 
 
 def test_parallel_samples_share_prompt_blocks(model):
-    """n=4: after the prompt, all samples hold the prompt's full blocks (refcount = tree + 4) and the
-    partially filled last block is copied per sample; peak memory counts the prompt once."""
+    """n=4: after the prompt, all samples hold the prompt's full blocks (refcount = tree + 4) and
+    each copies the partially filled last block; peak memory counts the prompt once."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
+    engine = lm.new_engine()
     prompt = random_ids(26, 5)[0].tolist()  # 6 full blocks + 2 tokens
-    stream = lm.generate_batch([prompt], max_new_tokens=5, n=4, do_sample=True, seed=1, stream=True)
+    stream = lm.generate_batch([prompt], max_new_tokens=5, n=4, do_sample=True, seed=1,
+                               stream=True, engine=engine)
     first = [next(stream) for _ in range(4)]
     assert sorted(s for _, s, _ in first) == [0, 1, 2, 3]
-    shared = lm.cache.match(prompt[:24], (lm.fingerprint, None)).blocks
+    shared = lm.cache.match(prompt[:24], lm.namespace()).blocks
     assert len(shared) == 6
-    assert all(lm.allocator.refcount(b) == 1 + 4 for b in shared)
+    assert all(lm.manager.allocator.refcount(b) == 1 + 4 for b in shared)
     rest = list(stream)
     assert len(first) + len(rest) == 4 * 5
-    run = lm._engine.last_run
-    # prompt (7 blocks) once + per sample at most 2 more blocks (the copied tail + growth)
-    assert run.peak_blocks <= 7 + 4 * 2
+    # the prompt (7 blocks) once + per sample at most 2 more (the copied tail and growth)
+    assert engine.metrics.peak_used_blocks <= 7 + 4 * 2
     lm.cache.check()
 
 
-def test_sampling_is_reproducible_with_seed(model):
-    """Each sample has its own RNG: the same seed gives the same samples, whatever else runs."""
+def test_seed_gives_the_same_samples_wherever_the_request_sits(model):
+    """Each sample has its own RNG seeded from (seed, sample): a prompt's samples are the same
+    alone, behind another prompt, and ahead of one; different seeds differ."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
     prompt = random_ids(15, 6)[0].tolist()
-    a = lm.generate_batch([prompt], max_new_tokens=6, n=3, do_sample=True, temperature=0.8,
-                          top_p=0.9, seed=42)
-    b = lm.generate_batch([random_ids(9, 7)[0].tolist(), prompt], max_new_tokens=6, n=3,
-                          do_sample=True, temperature=0.8, top_p=0.9, seed=42)
-    assert len(a[0]) == 3 and all(len(s) == 6 for s in a[0])
-    c = lm.generate_batch([prompt], max_new_tokens=6, n=3, do_sample=True, temperature=0.8,
-                          top_p=0.9, seed=42)
-    assert a == c
-    assert b[1] != [] and len(b[1]) == 3
+    other = random_ids(9, 7)[0].tolist()
+    kw = dict(max_new_tokens=6, n=3, do_sample=True, temperature=0.8, top_p=0.9, top_k=0)
+    alone = lm.generate_batch([prompt], seed=42, **kw)
+    behind = lm.generate_batch([other, prompt], seed=42, **kw)
+    ahead = lm.generate_batch([prompt, other, other], seed=42, **kw)
+    assert len(alone[0]) == 3 and all(len(s) == 6 for s in alone[0])
+    assert behind[1] == alone[0] and ahead[0] == alone[0]
+    assert len({tuple(s) for s in alone[0]}) > 1  # the three samples are not one copy
+    assert lm.generate_batch([prompt], seed=43, **kw)[0] != alone[0]
 
 
 def test_preemption_under_a_tiny_budget_keeps_outputs_exact(model):
     """With room for barely one long sequence, requests are preempted and resumed; every output is
-    still complete and equal to plain generate."""
+    complete and equal to plain generate, and each prompt counts once in the hit statistics."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=28 * BS)
     prompts = [random_ids(30, 40 + i)[0].tolist() for i in range(5)]
     want = [plain_continuation(model, p, 24) for p in prompts]
     got = lm.generate_batch(prompts, max_new_tokens=24)
     assert [g[0] for g in got] == want
-    assert lm._engine.last_run.preemptions > 0
+    stats = lm.stats()
+    assert stats["preemptions"] > 0
+    assert stats["queried_tokens"] == sum(map(len, prompts))
+    assert stats["hit_tokens"] <= stats["queried_tokens"]
     lm.cache.check()
 
 
-def test_closing_a_stream_early_releases_everything(model):
-    """Abandoning a streaming iterator releases every block and lock the run held."""
+def test_a_sequence_longer_than_the_pool_ends_with_length(model):
+    """A sample that would outgrow the whole pool stops there ("length") instead of looping."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=12 * BS)
+    prompt = random_ids(30, 9)[0].tolist()
+    got = lm.generate_batch([prompt], max_new_tokens=100)
+    assert got.finish_reasons == [["length"]]
+    assert len(prompt) + len(got[0][0]) <= 12 * BS + 1
+    assert got[0][0] == plain_continuation(model, prompt, len(got[0][0]))
+
+
+def test_stream_is_a_context_manager_that_releases_on_exit(model):
+    """Leaving the with block aborts what still runs: nothing pinned, nothing leaked."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
-    stream = lm.generate_batch(mixed_prompts(1), max_new_tokens=8, stream=True)
-    for _ in range(5):
-        next(stream)
-    stream.close()
+    with lm.generate_batch(mixed_prompts(1), max_new_tokens=8, stream=True) as stream:
+        for _ in range(5):
+            next(stream)
+        assert lm.cache.pinned_blocks > 0
     assert lm.cache.pinned_blocks == 0 and lm.cache.leaks() == []
+    stream.close()  # idempotent
+
+
+def test_abandoned_stream_releases_when_dropped(model):
+    """Breaking out of a for loop over a stream and dropping it releases its blocks."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
+    for _ in lm.generate_batch(mixed_prompts(1), max_new_tokens=8, stream=True):
+        break
+    gc.collect()
+    assert lm.cache.pinned_blocks == 0 and lm.cache.leaks() == []
+    it = lm.generate_batch(mixed_prompts(2), max_new_tokens=8, stream=True)
+    next(it)
+    assert lm.cache.pinned_blocks > 0
+    it.close()  # still referenced: close() releases
+    assert lm.cache.pinned_blocks == 0 and lm.cache.leaks() == []
+    with pytest.raises(StopIteration):
+        next(it)
 
 
 def test_model_error_mid_forward_leaves_cache_consistent(model, monkeypatch):
     """A forward that raises half way: the error propagates; nothing pinned or leaked; the tree only
     holds sound prefixes (a later run still gives exact outputs)."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
-    lm.generate_batch([random_ids(5, 8)[0].tolist()], max_new_tokens=2)  # creates the engine
     calls = {"n": 0}
     original = type(model).forward
 
@@ -149,24 +205,71 @@ def test_model_error_mid_forward_leaves_cache_consistent(model, monkeypatch):
 @pytest.mark.parametrize("prompts, kwargs, error", [
     ([], {}, ValueError),
     ([[]], {}, ValueError),
+    ("abc", {}, ValueError),
     ([[1, 2]], dict(max_new_tokens=0), ValueError),
+    ([[1, 2]], dict(max_new_tokens="3"), TypeError),
     ([[1, 2]], dict(n=0), ValueError),
+    ([[1, 2]], dict(n=2), ValueError),  # greedy samples would all be the same
     ([[1, 2.5]], {}, TypeError),
     ([[1, 10**6]], {}, ValueError),
     ([[1, -3]], {}, ValueError),
     ([[1, 2]], dict(do_sample=True, temperature=0.0), ValueError),
-    ([[1, 2]], dict(top_p=0.0), ValueError),
+    ([[1, 2]], dict(do_sample=True, top_p=0.0), ValueError),
+    ([[1, 2]], dict(do_sample=True, min_p=1.5), ValueError),
+    ([[1, 2]], dict(do_sample=True, top_k=-1), ValueError),
+    ([[1, 2]], dict(repetition_penalty=0.0), ValueError),
+    ([[1, 2]], dict(stop_token_ids=["x"]), TypeError),
     ([[1, 2]], dict(cache_salt=3), TypeError),
+    ([[1, 2]], dict(priority=1.5), TypeError),
     ([[1] * 500], {}, OutOfBlocks),
 ])
 def test_bad_arguments_raise_before_any_change(model, prompts, kwargs, error):
-    """Bad prompts and settings raise a clear error and leave the cache untouched."""
+    """Bad prompts and settings raise a clear error and change no block and no statistic."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=256)
     lm.generate_batch([random_ids(9, 9)[0].tolist()], max_new_tokens=2)
-    before = (lm.cache.cached_blocks, lm.allocator.num_free, lm.stats()["requests"])
+    before = (lm.cache.cached_blocks, lm.manager.allocator.num_free, lm.stats())
     with pytest.raises(error):
         lm.generate_batch(prompts, **kwargs)
-    assert (lm.cache.cached_blocks, lm.allocator.num_free, lm.stats()["requests"]) == before
+    assert (lm.cache.cached_blocks, lm.manager.allocator.num_free, lm.stats()) == before
+
+
+def test_temperature_without_do_sample_is_greedy(model):
+    """transformers' rule: sampling settings without do_sample are ignored (greedy)."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=1024)
+    prompt = random_ids(11, 12)[0].tolist()
+    got = lm.generate_batch([prompt], max_new_tokens=5, temperature=0.3)
+    assert got[0][0] == plain_continuation(model, prompt, 5)
+
+
+def test_defaults_come_from_the_generation_config(model):
+    """Without max_new_tokens, 20 tokens as in transformers; a generation config's max_new_tokens
+    and sampling settings are used when the call sets none."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=1024)
+    prompt = random_ids(11, 13)[0].tolist()
+    assert lm.generate_batch([prompt])[0][0] == plain_continuation(model, prompt, 20)
+    model.generation_config.max_new_tokens = 4
+    try:
+        assert len(lm.generate_batch([prompt])[0][0]) == 4
+    finally:
+        model.generation_config.max_new_tokens = None
+
+
+def test_repetition_penalty_matches_plain_greedy(model):
+    """repetition_penalty applies to greedy rows exactly as transformers' logits processor."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
+    prompts = [random_ids(14, 20)[0].tolist(), random_ids(9, 21)[0].tolist()]
+    got = lm.generate_batch(prompts, max_new_tokens=8, repetition_penalty=1.7)
+    for p, g in zip(prompts, got):
+        assert g[0] == plain_continuation(model, p, 8, repetition_penalty=1.7)
+
+
+def test_progress_bar_counts_samples(model, capsys):
+    """progress=True draws a tqdm bar over the samples (to stderr) and changes no output."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=1024)
+    prompts = [random_ids(7, 22)[0].tolist(), random_ids(8, 23)[0].tolist()]
+    assert lm.generate_batch(prompts, max_new_tokens=3, progress=True) == \
+        [[plain_continuation(model, p, 3)] for p in prompts]
+    assert "2/2" in capsys.readouterr().err
 
 
 def test_longest_prefix_first_beats_fcfs_when_memory_is_tight(model):
@@ -174,22 +277,23 @@ def test_longest_prefix_first_beats_fcfs_when_memory_is_tight(model):
     rates = {}
     for schedule in ("fcfs", "lpm"):
         lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=16 * BS)
-        engine = Engine(lm, schedule=schedule, max_running=2)
         systems = [random_ids(40, 60)[0].tolist(), random_ids(40, 61)[0].tolist()]
         prompts = [systems[i % 2] + random_ids(3, 70 + i)[0].tolist() for i in range(8)]
-        out = engine.generate(prompts, max_new_tokens=2)
+        out = lm.generate_batch(prompts, max_new_tokens=2,
+                                engine=lm.new_engine(schedule=schedule, max_running=2))
         assert [o[0] for o in out] == [plain_continuation(model, p, 2) for p in prompts]
-        rates[schedule] = engine.last_run.hit_rate
+        rates[schedule] = lm.stats()["hit_rate"]
     assert rates["lpm"] > rates["fcfs"]
 
 
 def test_chunked_prefill_of_a_long_prompt(model):
     """A prompt longer than max_step_tokens is prefilled in chunks with the same result."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
-    engine = Engine(lm, max_step_tokens=16)
+    engine = lm.new_engine(max_step_tokens=16)
     prompt = random_ids(70, 10)[0].tolist()
-    assert engine.generate([prompt], max_new_tokens=5)[0][0] == plain_continuation(model, prompt, 5)
-    assert engine.last_run.steps >= 5 + 4
+    out = lm.generate_batch([prompt], max_new_tokens=5, engine=engine)
+    assert out[0][0] == plain_continuation(model, prompt, 5)
+    assert engine.metrics.steps >= 5 + 4
 
 
 def test_fp8_kv_halves_bytes_and_stays_close(model):
@@ -209,14 +313,3 @@ def test_fp8_kv_halves_bytes_and_stays_close(model):
     assert 0 < err < 0.1
     out = fp8.generate_batch([ids[0].tolist()], max_new_tokens=4)
     assert len(out[0][0]) == 4
-
-
-def test_preempted_sequences_are_not_counted_twice_in_hit_stats(model):
-    """A resumed sequence re-matches its prompt, but the hit statistics count each prompt once."""
-    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=28 * BS)
-    prompts = [random_ids(30, 40 + i)[0].tolist() for i in range(5)]
-    lm.generate_batch(prompts, max_new_tokens=24)
-    run = lm._engine.last_run
-    assert run.preemptions > 0
-    assert run.prompt_tokens == sum(map(len, prompts))
-    assert run.hit_tokens <= run.prompt_tokens

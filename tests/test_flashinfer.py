@@ -3,7 +3,7 @@
 GPU only: the whole module is skipped without flashinfer-python or without CUDA. The first run
 JIT-compiles one FlashInfer module per (dtype, head_dim, window/soft-cap) configuration (a minute or
 two each); the window/soft-cap and fp8 variants add two more modules, so they only run with
-``RADIXCACHE_GPU_VARIANTS=1`` (benchmarks/gpu_check.sh runs them last).
+``RADIXCACHE_GPU_VARIANTS=1`` (scripts/gpu_check.sh runs them last).
 """
 
 import os
@@ -153,6 +153,11 @@ def tiny_llama():
     return model
 
 
+def greedy_agreement(ref, got) -> float:
+    pairs = [(a, b) for r, g in zip(ref, got) for a, b in zip(r, g)]
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
 def test_engine_greedy_tokens_match_torch_backend():
     model = tiny_llama()
     rng = random.Random(0)
@@ -163,13 +168,55 @@ def test_engine_greedy_tokens_match_torch_backend():
     outputs = {}
     for attention in ("torch", "flashinfer"):
         lm = radixcache.wrap(model, attention=attention, max_cache_tokens=4096)
-        outputs[attention] = lm.generate_batch(prompts, max_new_tokens=8)
-        assert lm._engine.backend.name == attention
+        assert lm.backend.name == attention and lm.engine_unsupported is None
+        outputs[attention] = [o[0] for o in lm.generate_batch(prompts, max_new_tokens=8)]
         assert not lm.cache.leaks()
         lm.clear()
-        assert lm.allocator.num_free == lm.allocator.num_blocks, "leaked blocks"
+        assert lm.manager.allocator.num_free == lm.manager.allocator.num_blocks, "leaked blocks"
     ref, got = outputs["torch"], outputs["flashinfer"]
-    assert all(len(o[0]) == 8 for o in ref + got)
-    pairs = [(a, b) for r, g in zip(ref, got) for a, b in zip(r[0], g[0])]
-    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    assert all(len(o) == 8 for o in ref + got)
+    agreement = greedy_agreement(ref, got)
     assert agreement >= 0.9, f"only {agreement:.0%} of greedy tokens agree"
+
+
+def test_generate_through_flashinfer_matches_torch_backend_and_plain():
+    """lm.generate reads the block tables through FlashInfer: a cold prompt, a cached turn (a
+    prefix and a partial tail reused), and a left-padded batch, against the torch backend and
+    plain model.generate (bf16: greedy agreement, not equality)."""
+    model = tiny_llama()
+    rng = random.Random(1)
+    first = torch.tensor([[rng.randrange(1, 512) for _ in range(45)]], device=DEVICE)
+    rows = [[rng.randrange(1, 512) for _ in range(n)] for n in (20, 33)]
+    width = max(map(len, rows))
+    batch = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=DEVICE)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=DEVICE)
+    results = {}
+    for attention in ("torch", "flashinfer"):
+        lm = radixcache.wrap(model, attention=attention, max_cache_tokens=4096)
+        assert lm.backend.name == attention and lm.unsupported is None
+        out = lm.generate(first, max_new_tokens=8, do_sample=False)
+        turn = torch.cat([out, torch.tensor([[7, 8, 9, 10, 11]], device=DEVICE)], dim=1)
+        again = lm.generate(turn, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+        assert again.cached_tokens == [out.shape[1] - 1]
+        padded = lm.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        results[attention] = [out[0, 45:].tolist(), again.sequences[0, turn.shape[1]:].tolist(),
+                              *[r[width:].tolist() for r in padded]]
+        assert not lm.cache.leaks()
+    with torch.no_grad():
+        plain = [model.generate(first, attention_mask=torch.ones_like(first), max_new_tokens=8,
+                                do_sample=False)[0, 45:].tolist()]
+    assert greedy_agreement(results["torch"], results["flashinfer"]) >= 0.9
+    assert greedy_agreement(plain, results["flashinfer"][:1]) >= 0.75
+
+
+@variants
+def test_generate_with_an_fp8_pool_stays_close():
+    model = tiny_llama()
+    lm = radixcache.wrap(model, attention="flashinfer", max_cache_tokens=4096, kv_dtype="fp8")
+    ids = torch.tensor([list(range(1, 60))], device=DEVICE)
+    out = lm.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True,
+                      output_logits=True)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[0, -1].float()
+    err = float((out.logits[0][0].float() - want).abs().max() / want.abs().max())
+    assert err < 0.1 and lm.pool.calibrated_layers() == lm.pool.num_layers

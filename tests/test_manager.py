@@ -105,3 +105,25 @@ def test_fork_needs_a_pool_for_a_partial_block():
     again = mgr.admit((1, 2, 3, 4, 5, 6, 7))
     assert again.cached_tokens == 4       # no pool: a tail cannot be copied, so it is recomputed
     mgr.release(again)
+
+
+def test_a_tentative_admission_is_counted_only_when_recorded():
+    """admit(count=False) + release changes no counter; record_admission counts the kept one once
+    (a scheduler backing out of an admission never counts a prompt twice)."""
+    mgr, _ = make(8)
+    run(mgr, tuple(range(8)))
+    mgr.reset_stats()
+    tokens = tuple(range(10))
+    tentative = mgr.admit(tokens, count=False)
+    mgr.release(tentative)
+    assert mgr.stats()["requests"] == 0 and mgr.stats()["queried_tokens"] == 0
+    kept = mgr.admit(tokens, count=False)
+    mgr.record_admission(kept, len(tokens))
+    stats = mgr.stats()
+    assert (stats["requests"], stats["queried_tokens"], stats["hit_tokens"],
+            stats["computed_prompt_tokens"]) == (1, 10, 8, 2)
+    mgr.release(kept)
+    with pytest.raises(CacheError, match="released"):
+        mgr.record_admission(kept, len(tokens))
+    assert mgr.stats()["requests"] == 1
+    mgr.check()

@@ -91,3 +91,18 @@ def test_low_precision_pools_stay_close(kv_dtype):
     b = TorchBackend().attend(0, query, plan_lp, 0.35)
     tol = 0.03 if kv_dtype == "bf16" else 0.25
     assert (a - b).abs().max() < tol
+
+
+def test_attend_reads_nothing_back_to_the_host(monkeypatch):
+    """Per layer, the backend makes no host sync: no .item()/.tolist()/int()/float()/bool() of a
+    tensor (on CUDA each would stall the stream once per layer)."""
+    pool, segments, query = build(3, 4, [3, 5, 1, 8], [(4, 12), (2, 9)])
+    plan = StepPlan(pool, segments, TorchBackend())
+
+    def sync(*args, **kwargs):
+        raise AssertionError("host sync inside attend")
+
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    for window, softcap in ((None, None), (3, None), (None, 5.0)):
+        TorchBackend().attend(0, query, plan, 0.35, sliding_window=window, softcap=softcap)

@@ -1,5 +1,7 @@
-"""The transformers adapter: ``wrap(model)`` -> ``CachedLM``, a drop-in ``generate`` over the radix cache."""
+"""The transformers adapter: ``wrap(model)`` -> ``CachedLM``, a drop-in ``generate`` and a batching
+``generate_batch`` over the radix cache."""
 
-from radixcache.integrations.hf.lm import CachedLM, kv_geometry, model_fingerprint, wrap
+from radixcache.integrations.hf.identity import kv_geometry, model_identity
+from radixcache.integrations.hf.lm import CachedLM, wrap
 
-__all__ = ["CachedLM", "kv_geometry", "model_fingerprint", "wrap"]
+__all__ = ["CachedLM", "kv_geometry", "model_identity", "wrap"]

@@ -1,12 +1,12 @@
-"""Paged attention over the KV pool for the batching engine.
+"""Paged attention over the KV pool: the step plan and its backends.
 
-``install(model)`` switches the model to an attention function that, when a forward carries a
-``radixcache_plan`` keyword, writes the new K/V into the pool and attends over each sequence's
-block table through a backend (``torch`` reference, ``flashinfer`` on CUDA); without a plan it calls
-the model's original attention, so the rest of the model's users see no change.
+A ``StepPlan`` describes one forward (which new tokens belong to which sequence, where their K/V
+go, which blocks each attends to); a backend (``torch`` reference, ``flashinfer`` on CUDA) attends
+over the block tables. Nothing here imports transformers: the adapter that routes a model's
+attention layers here lives in ``radixcache.integrations.hf``.
 """
 
 from radixcache.attention.plan import Segment, StepPlan
-from radixcache.attention.install import install, resolve_backend
+from radixcache.attention.select import resolve_backend
 
-__all__ = ["Segment", "StepPlan", "install", "resolve_backend"]
+__all__ = ["Segment", "StepPlan", "resolve_backend"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixcache.attention.plan import StepPlan
+from radixcache.attention.plan import StepPlan, device_tensor
 from radixcache.errors import CacheError
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-k scratch)
@@ -185,7 +185,7 @@ class FlashInferBackend:
         return FlashInferStepState(
             step=next(self._steps), table=table, num_tokens=table.qo_indptr[-1],
             qo_indptr=as_i32(table.qo_indptr), kv_indptr=as_i32(table.kv_indptr),
-            kv_indices=as_i32(table.kv_indices).to(self.device, non_blocking=True),
+            kv_indices=device_tensor(table.kv_indices, self.device, torch.int32),
             last_page_len=as_i32(table.last_page_len))
 
     # ------------------------------------------------------------------ per layer
@@ -223,7 +223,7 @@ class FlashInferBackend:
         with self._lock:
             wrapper = self._planned(state, config, pool)
             if pool.quantized:
-                k_scale, v_scale = pool.scales[layer].tolist()
+                k_scale, v_scale = pool.host_scales(layer)  # the host mirror: no device sync
                 return wrapper.run(q, kv, k_scale=k_scale, v_scale=v_scale)
             return wrapper.run(q, kv)
 

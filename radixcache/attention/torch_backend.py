@@ -1,6 +1,8 @@
 """The reference backend: gather each sequence's blocks and run SDPA with an end-aligned causal mask.
 
-Runs on CPU or GPU. Supports GQA/MQA, sliding windows and logit soft-capping (Gemma 2).
+Runs on CPU or GPU. Supports GQA/MQA, sliding windows and logit soft-capping (Gemma 2). All index
+arrays of a step are built once from Python lists (``TorchStepState``) and every layer reuses them;
+nothing reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixcache.attention.plan import StepPlan, shared_blocks
+from radixcache.attention.plan import StepPlan, device_tensor, k_rows, shared_blocks
 
 
 def causal_mask(q_pos: torch.Tensor, kv_len: torch.Tensor | int, width: int,
@@ -41,33 +43,67 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 
 class TorchStepState:
-    """The torch backend's gather indices for one step.
+    """The torch backend's gather indices for one step (host lists copied once each).
 
     ``prefills``: (segment, K rows of its whole context) of every multi-token segment. The
     single-token (decode) segments are served together: ``decode_q`` (their packed offsets),
-    ``decode_lens`` (their KV lengths), ``shared_rows`` (K rows of the leading whole blocks every
-    decode segment has in common, e.g. a shared system prompt, read once: cascade style) and
-    ``decode_rows`` (``[S, width]`` K rows of each one's positions after the shared part, padded with
-    the null block).
+    ``decode_lens`` (their KV lengths; ``max_decode_len`` on the host), ``shared_rows`` (K rows of
+    the leading whole blocks every decode segment has in common, e.g. a shared system prompt, read
+    once: cascade style) and ``decode_rows`` (``[S, width]`` K rows of each one's positions after
+    the shared part, padded with the null block). Masks are built on first use per sliding window
+    and kept for the step's other layers.
     """
 
     def __init__(self, step: StepPlan):
         pool = step.pool
         device = pool.device
-        self.prefills = [(s, pool.rows_for(s.blocks, 0, s.kv_len)) for s in step.segments
-                         if s.q_len > 1]
+        bs = pool.block_size
+        prefill_segments = [s for s in step.segments if s.q_len > 1]
+        rows: list[int] = []
+        spans = []
+        for s in prefill_segments:
+            spans.append((len(rows), s.kv_len))
+            rows.extend(k_rows(s.blocks, 0, s.kv_len, bs))
+        flat = device_tensor(rows, device)
+        self.prefills = [(s, flat[start:start + n]) for s, (start, n) in zip(prefill_segments, spans)]
         decodes = [s for s in step.segments if s.q_len == 1]
-        self.decode_q = torch.tensor([s.q_start for s in decodes], dtype=torch.long, device=device)
-        self.decode_lens = torch.tensor([s.kv_len for s in decodes], dtype=torch.long, device=device)
-        shared = shared_blocks(decodes, pool.block_size) if len(decodes) > 1 else 0
-        self.shared_len = shared * pool.block_size
-        self.shared_rows = (pool.rows_for(decodes[0].blocks, 0, self.shared_len) if shared
-                            else pool.null_rows(0))
+        self.num_decodes = len(decodes)
+        self.max_decode_len = max((s.kv_len for s in decodes), default=0)
+        shared = shared_blocks(decodes, bs) if len(decodes) > 1 else 0
+        self.shared_len = shared * bs
         width = max((s.kv_len - self.shared_len for s in decodes), default=0)
-        self.decode_rows = pool.null_rows(len(decodes) * width).view(len(decodes), width)
-        for i, s in enumerate(decodes):
-            self.decode_rows[i, :s.kv_len - self.shared_len] = pool.rows_for(
-                s.blocks, self.shared_len, s.kv_len)
+        null = pool.null_block * 2 * bs
+        table: list[int] = k_rows(decodes[0].blocks, 0, self.shared_len, bs) if shared else []
+        for s in decodes:
+            own = k_rows(s.blocks, self.shared_len, s.kv_len, bs)
+            table.extend(own)
+            table.extend([null] * (width - len(own)))
+        packed = device_tensor([s.q_start for s in decodes] + [s.kv_len for s in decodes] + table,
+                               device)
+        n = len(decodes)
+        self.decode_q = packed[:n]
+        self.decode_lens = packed[n:2 * n]
+        self.shared_rows = packed[2 * n:2 * n + self.shared_len]
+        self.decode_rows = packed[2 * n + self.shared_len:].view(n, width)
+        self._masks: dict = {}
+
+    def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor:
+        """``[1, 1, q_len, kv_len]`` mask of prefill segment ``index``."""
+        key = ("prefill", index, sliding_window)
+        if key not in self._masks:
+            seg, rows = self.prefills[index]
+            pos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=rows.device)
+            self._masks[key] = causal_mask(pos, seg.kv_len, seg.kv_len, sliding_window)[None, None]
+        return self._masks[key]
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[S, 1, 1, shared + width]`` mask of the decode segments over their gathered context."""
+        key = ("decode", sliding_window)
+        if key not in self._masks:
+            width = self.shared_len + self.decode_rows.shape[1]
+            self._masks[key] = causal_mask((self.decode_lens - 1)[:, None], self.decode_lens, width,
+                                           sliding_window)[:, None]
+        return self._masks[key]
 
 
 class TorchBackend:
@@ -85,17 +121,16 @@ class TorchBackend:
         pool = plan.pool
         state = plan.backend_state
         out = torch.empty_like(query)
-        for seg, rows in state.prefills:
+        for i, (seg, rows) in enumerate(state.prefills):
             k, v = pool.read(layer, rows)
             q = query[seg.q_start:seg.q_start + seg.q_len]
-            pos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=query.device)
-            mask = causal_mask(pos, seg.kv_len, seg.kv_len, sliding_window)[None, None]
             o = attend_dense(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                             v.transpose(0, 1)[None], mask, scale, softcap)
+                             v.transpose(0, 1)[None], state.prefill_mask(i, sliding_window), scale,
+                             softcap)
             out[seg.q_start:seg.q_start + seg.q_len] = o[0].transpose(0, 1)
-        if state.decode_q.numel():
+        if state.num_decodes:
             q = query[state.decode_q]
-            window_cuts = sliding_window and sliding_window < int(state.decode_lens.max())
+            window_cuts = bool(sliding_window) and sliding_window < state.max_decode_len
             if state.shared_len and not softcap and not window_cuts:
                 out[state.decode_q] = self._cascade_decode(layer, q, pool, state, scale)
             else:
@@ -104,22 +139,21 @@ class TorchBackend:
         return out
 
     @staticmethod
-    def _dense_decode(layer, q, pool, plan, scale, sliding_window, softcap) -> torch.Tensor:
+    def _dense_decode(layer, q, pool, state, scale, sliding_window, softcap) -> torch.Tensor:
         """Every decode query against its whole context, gathered per sequence."""
-        s, width = plan.decode_rows.shape
-        rows = plan.decode_rows
-        if plan.shared_len:
-            rows = torch.cat([plan.shared_rows.expand(s, -1), rows], dim=1)
-            width += plan.shared_len
+        s, width = state.decode_rows.shape
+        rows = state.decode_rows
+        if state.shared_len:
+            rows = torch.cat([state.shared_rows.expand(s, -1), rows], dim=1)
+            width += state.shared_len
         k, v = pool.read(layer, rows.reshape(-1))
         k = k.view(s, width, *k.shape[1:]).transpose(1, 2)
         v = v.view(s, width, *v.shape[1:]).transpose(1, 2)
-        mask = causal_mask((plan.decode_lens - 1)[:, None], plan.decode_lens, width,
-                           sliding_window)[:, None]
-        return attend_dense(q[:, :, None], k, v, mask, scale, softcap)[:, :, 0]
+        return attend_dense(q[:, :, None], k, v, state.decode_mask(sliding_window), scale,
+                            softcap)[:, :, 0]
 
     @staticmethod
-    def _cascade_decode(layer, q, pool, plan, scale) -> torch.Tensor:
+    def _cascade_decode(layer, q, pool, state, scale) -> torch.Tensor:
         """Decode queries against the shared prefix (read once for all of them) and against each
         one's own tail, merged by log-sum-exp: the K/V of a shared system prompt is read once per
         layer instead of once per sequence."""
@@ -127,18 +161,18 @@ class TorchBackend:
         kv_heads = pool.num_kv_heads
         groups = heads // kv_heads
         # shared part: all S*groups queries of a KV head in one matmul
-        kp, vp = pool.read(layer, plan.shared_rows)  # [Lp, Hkv, d]
+        kp, vp = pool.read(layer, state.shared_rows)  # [Lp, Hkv, d]
         qg = q.float().view(s, kv_heads, groups, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
         out_p, lse_p = _softmax_attend(qg, kp.float().transpose(0, 1), vp.float().transpose(0, 1),
                                        None, scale)
         out_p = out_p.view(kv_heads, s, groups, dim).permute(1, 0, 2, 3).reshape(s, heads, dim)
         lse_p = lse_p.view(kv_heads, s, groups).permute(1, 0, 2).reshape(s, heads)
         # own tails
-        width = plan.decode_rows.shape[1]
-        k, v = pool.read(layer, plan.decode_rows.reshape(-1))
+        width = state.decode_rows.shape[1]
+        k, v = pool.read(layer, state.decode_rows.reshape(-1))
         k = k.float().view(s, width, kv_heads, dim).transpose(1, 2)  # [S, Hkv, W, d]
         v = v.float().view(s, width, kv_heads, dim).transpose(1, 2)
-        valid = torch.arange(width, device=q.device) < (plan.decode_lens - plan.shared_len)[:, None]
+        valid = torch.arange(width, device=q.device) < (state.decode_lens - state.shared_len)[:, None]
         qs = q.float().view(s, kv_heads, groups, dim)
         out_s, lse_s = _softmax_attend(qs, k, v, valid[:, None, None, :], scale)
         out_s, lse_s = out_s.reshape(s, heads, dim), lse_s.reshape(s, heads)

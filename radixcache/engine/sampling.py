@@ -1,32 +1,113 @@
-"""Next-token choice for the engine: greedy, or temperature / top-p sampling with a per-sequence RNG."""
+"""Next-token choice for a whole step at once: greedy or sampled rows of ``[B, V]`` logits.
+
+Rows follow transformers' order: the repetition penalty (greedy rows too, as a logits processor),
+then for sampled rows temperature, top-k, top-p and min-p, each as one batched tensor operation
+over the rows that use it. Every sample keeps its own
+``torch.Generator``: it draws exactly one uniform number per token, and the token is the inverse
+CDF of the row's distribution at that number, so a sample's tokens depend only on its seed and its
+logits, never on the other rows of the batch. One host read per step returns every token.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from radixcache.attention.plan import device_tensor
+from radixcache.engine.request import SamplingParams
 
-def check_sampling(do_sample: bool, temperature: float, top_p: float) -> None:
-    """Raise ``ValueError`` for settings that do not define a distribution."""
-    if not isinstance(do_sample, bool):
-        raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+SEED_MULTIPLIER = 6364136223846793005  # Knuth's MMIX LCG constants: spread (seed, sample) pairs
+SEED_INCREMENT = 1442695040888963407
 
 
-def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The temperature-scaled distribution over ``logits [vocab]`` restricted to the smallest top-p
-    nucleus (unnormalised is fine for ``draw``), on the CPU."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs[before >= top_p] = 0.0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return probs.cpu()
+def sample_generator(seed: int, sample: int) -> torch.Generator:
+    """The CPU generator of sample ``sample`` of a request seeded with ``seed``."""
+    mixed = (seed * SEED_MULTIPLIER + (sample + 1) * SEED_INCREMENT) % 2**64
+    return torch.Generator().manual_seed(mixed)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id drawn from ``probs`` with ``generator`` (each sample has its own)."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+@dataclass
+class Row:
+    """One logits row to turn into a token: its settings, its generator and, for a repetition
+    penalty, the ids it has seen (prompt and generated)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    seen: set | None = None
+
+
+def choose(logits: torch.Tensor, rows: list[Row]) -> list[int]:
+    """Token ids for ``logits [len(rows), V]`` (any float dtype, any device), one per row."""
+    scores = logits.float()
+    penalised = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1]
+    if penalised:
+        scores = _repetition_penalty(scores, [rows[i] for i in penalised], penalised)
+    sampled = [i for i, r in enumerate(rows) if r.params.do_sample]
+    if not sampled:
+        return scores.argmax(dim=-1).tolist()
+    if len(sampled) == len(rows):
+        return _sample(scores, rows).tolist()
+    tokens = scores.argmax(dim=-1)
+    index = device_tensor(sampled, tokens.device)
+    tokens[index] = _sample(scores[index], [rows[i] for i in sampled])
+    return tokens.tolist()
+
+
+def _repetition_penalty(scores: torch.Tensor, rows: list[Row], indices: list[int]) -> torch.Tensor:
+    """transformers' rule on every id a row has seen: positive logits / p, negative ones * p."""
+    flat_rows, flat_cols, penalty = [], [], []
+    for i, row in zip(indices, rows):
+        ids = sorted(row.seen or ())
+        flat_rows.extend([i] * len(ids))
+        flat_cols.extend(ids)
+        penalty.extend([row.params.repetition_penalty] * len(ids))
+    if not flat_cols:
+        return scores
+    device = scores.device
+    r, c = device_tensor(flat_rows, device), device_tensor(flat_cols, device)
+    p = device_tensor(penalty, device, torch.float32)
+    picked = scores[r, c]
+    scores = scores.clone()
+    scores[r, c] = torch.where(picked > 0, picked / p, picked * p)
+    return scores
+
+
+def _sample(scores: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling of its filtered, tempered distribution."""
+    device = scores.device
+    temps = device_tensor([r.params.temperature for r in rows], device, torch.float32)
+    logits = scores / temps[:, None]
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    uniform = device_tensor([float(torch.rand((), generator=r.generator)) for r in rows], device,
+                            torch.float32)
+    if not any(top_k) and all(p == 1 for p in top_p) and not any(min_p):
+        probs = torch.softmax(logits, dim=-1)
+        return _inverse_cdf(probs, uniform)
+    logits, order = logits.sort(dim=-1, descending=True)
+    if any(top_k):
+        k = device_tensor([k or logits.shape[-1] for k in top_k], device)
+        ranks = torch.arange(logits.shape[-1], device=device)
+        logits = logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if any(p < 1 for p in top_p):
+        p = device_tensor(top_p, device, torch.float32)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token: keeps the first
+        probs = probs.masked_fill(before >= p[:, None], 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if any(min_p):
+        m = device_tensor(min_p, device, torch.float32)
+        probs = probs.masked_fill(probs < m[:, None] * probs[:, :1], 0.0)
+    return order.gather(1, _inverse_cdf(probs, uniform)[:, None])[:, 0]
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Index of the first entry whose cumulative (unnormalised) mass exceeds ``uniform * total``."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # strictly below the total (u * total can round up to it), so the first entry whose cumulative
+    # mass exceeds it has mass of its own: a zero-probability entry repeats its predecessor's sum
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]

@@ -4,7 +4,14 @@ The layout is FlashInfer's "NHD" paged layout with K and V interleaved per block
 ``num_blocks`` is an extra all-zero *null block* that padding columns point at; it is never handed
 out by the allocator. Positions are addressed by *K rows*: the row of (block b, offset o) in the
 layer tensor viewed as ``[-1, kv_heads, head_dim]`` is ``b * 2 * block_size + o``; its V row is
-``block_size`` further. fp8 storage (e4m3) keeps one scale per layer for K and one for V.
+``block_size`` further.
+
+fp8 storage (e4m3) keeps one scale per layer for K and one for V, calibrated on the first K/V
+written to that layer (its absolute maximum, with ``FP8_HEADROOM`` to spare) and fixed from then on,
+since the blocks already written were quantized with it. The scales live on the device (``scales``,
+read by the torch backend without a sync) and in a host mirror (``host_scales``, passed to FlashInfer
+as floats); calibrating a layer costs one device-to-host read, once. Later K/V beyond a layer's range
+are clamped to it; ``clamped_writes()`` counts the writes where that happened.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 from radixcache.store import BlockKV
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_HEADROOM = 4.0  # the first write puts amax at FP8_MAX / FP8_HEADROOM
+FP8_HEADROOM = 4.0  # calibration puts the first write's amax at FP8_MAX / FP8_HEADROOM
 
 
 def resolve_kv_dtype(kv_dtype, model_dtype: torch.dtype) -> torch.dtype:
@@ -60,8 +67,9 @@ class KVPool:
         self.quantized = self.storage_dtype == torch.float8_e4m3fn
         self.null_block = num_blocks
         shape = (num_blocks + 1, 2, block_size, num_kv_heads, head_dim)
-        # torch.empty: untouched pages cost nothing until a block is written. Only the null block is
-        # read without being written, so only it must hold finite values.
+        # torch.empty: on CPU the OS maps untouched pages lazily, so unused blocks cost no RAM until
+        # written; on CUDA the whole pool is allocated at once. Only the null block is read without
+        # being written, so only it must hold finite values.
         self.layers = [torch.empty(shape, dtype=self.storage_dtype, device=self.device)
                        for _ in range(num_layers)]
         for layer in self.layers:
@@ -69,8 +77,9 @@ class KVPool:
         self._flat = [t.view(-1, num_kv_heads, head_dim) for t in self.layers]
         if self.quantized:
             self._flat = [t.view(torch.uint8) for t in self._flat]
-        self.scales = torch.zeros(num_layers, 2, dtype=torch.float32, device=self.device)
-        self._scales_set = [[False, False] for _ in range(num_layers)]  # host side: no device sync
+        self.scales = torch.zeros(num_layers, 2, dtype=torch.float32, device=self.device)  # 0: not set
+        self._host_scales: list = [None] * num_layers  # (k, v) floats once the layer is calibrated
+        self._clamped = torch.zeros(num_layers, 2, dtype=torch.int64, device=self.device)
 
     @property
     def bytes_per_token(self) -> int:
@@ -101,6 +110,10 @@ class KVPool:
         """Store ``keys``/``values`` (``[N, kv_heads, head_dim]``) at the positions ``k_rows`` (``[N]``)."""
         flat = self._flat[layer]
         if self.quantized:
+            if not keys.numel():
+                return
+            if self._host_scales[layer] is None:
+                self._calibrate(layer, keys, values)
             keys = self._quantize(layer, 0, keys)
             values = self._quantize(layer, 1, values)
         else:
@@ -120,6 +133,26 @@ class KVPool:
             return keys.to(self.dtype), values.to(self.dtype)
         return keys, values
 
+    def host_scales(self, layer: int) -> tuple[float, float]:
+        """The fp8 (K, V) scales of ``layer`` as host floats (0.0 before the layer is calibrated)."""
+        return self._host_scales[layer] or (0.0, 0.0)
+
+    def calibrated_layers(self) -> int:
+        """How many layers have fp8 scales calibrated on real K/V (0 for unquantized pools)."""
+        return sum(s is not None for s in self._host_scales) if self.quantized else 0
+
+    def reset_calibration(self) -> None:
+        """Forget every fp8 scale and clamp count: the next write to each layer calibrates it again.
+        Only valid while no block holds K/V that must be read back (e.g. after a self-test)."""
+        self.scales.zero_()
+        self._host_scales = [None] * self.num_layers
+        self._clamped.zero_()
+
+    def clamped_writes(self) -> int:
+        """Writes (per layer, K and V counted apart) whose values exceeded the fp8 range and were
+        clamped; 0 for unquantized pools. Reads a device value: call it between steps, not per layer."""
+        return int(self._clamped.sum()) if self.quantized else 0
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's K/V of block ``src`` into block ``dst`` (copy on write)."""
         for layer in self.layers:
@@ -134,14 +167,16 @@ class KVPool:
         """
         self._check_block(block)
         raw = torch.stack([layer[block].view(torch.uint8) for layer in self.layers]).cpu()
-        scales = tuple(self.scales.reshape(-1).tolist()) if self.quantized else ()
+        scales = tuple(x for layer in range(self.num_layers) for x in self.host_scales(layer)) \
+            if self.quantized else ()
         return BlockKV(raw.reshape(-1).numpy(), self._dtype_name, self._block_shape, scales)
 
     def import_block(self, block: int, kv: BlockKV) -> None:
         """Write ``kv`` (as ``export_block`` returns it, from any pool of this shape and dtype) into ``block``.
 
-        fp8: per layer and K/V, a pool scale not yet set adopts the value's, an equal one copies the
-        bytes, another one rescales them, and a rescale that would clip is refused. ``ValueError``
+        fp8: a layer whose scales are not set yet adopts the value's (K and V, as a first write would
+        calibrate both); per K/V of a set layer, an equal scale copies the bytes, another one
+        rescales them, and a rescale that would clip is refused. ``ValueError``
         (nothing written) on another dtype or shape, a payload of the wrong size, bad scales or a
         refused rescale.
         """
@@ -165,26 +200,25 @@ class KVPool:
             staged = torch.from_numpy(src.copy()).to(self.device)  # copy: src may be read-only
             for i, layer in enumerate(self.layers):
                 layer[block].view(torch.uint8).view(-1).copy_(staged[i * per_layer:(i + 1) * per_layer])
-        for layer, kv_index, scale in adopt:
-            self.scales[layer, kv_index] = scale
-            self._scales_set[layer][kv_index] = True
+        for layer, pair in adopt:
+            self._set_scales(layer, pair)
 
     def _rescaled(self, src: np.ndarray, scales) -> tuple[np.ndarray, list]:
-        """fp8 bytes re-expressed in this pool's scales, and the (layer, K/V, scale) to adopt."""
+        """fp8 bytes re-expressed in this pool's scales, and the (layer, (K, V) scales) to adopt."""
         if len(scales) != 2 * self.num_layers:
             raise ValueError(f"fp8 K/V needs {2 * self.num_layers} scales, got {len(scales)}")
-        current = self.scales.tolist()
         q = src.reshape(self.num_layers, 2, -1)
         out, adopt = None, []
         for layer in range(self.num_layers):
-            for j in range(2):
-                theirs = float(scales[2 * layer + j])
+            pair = tuple(float(scales[2 * layer + j]) for j in range(2))
+            for theirs in pair:
                 if not (math.isfinite(theirs) and theirs > 0):
                     raise ValueError(f"fp8 scale {theirs!r} of layer {layer} is not a positive number")
-                if not self._scales_set[layer][j]:
-                    adopt.append((layer, j, theirs))
-                    continue
-                ours = current[layer][j]
+            current = self._host_scales[layer]
+            if current is None:
+                adopt.append((layer, pair))
+                continue
+            for j, (theirs, ours) in enumerate(zip(pair, current)):
                 if theirs == ours:
                     continue
                 x = torch.from_numpy(q[layer, j].copy()).view(torch.float8_e4m3fn).float() * theirs
@@ -209,12 +243,20 @@ class KVPool:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def _quantize(self, layer: int, kv: int, x: torch.Tensor) -> torch.Tensor:
-        scale = self.scales[layer, kv]
-        if not self._scales_set[layer][kv] and x.numel():
-            scale.copy_((x.detach().abs().max().float() * FP8_HEADROOM / FP8_MAX).clamp_min(1e-8))
-            self._scales_set[layer][kv] = True
-        q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return q.view(torch.uint8)
+        scaled = x.float() / self.scales[layer, kv]
+        self._clamped[layer, kv] += scaled.abs().amax() > FP8_MAX
+        return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+    def _calibrate(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the K and V scales of ``layer`` from its first real write (one host read)."""
+        amax = torch.stack([keys.detach().abs().amax(), values.detach().abs().amax()]).float().tolist()
+        self._set_scales(layer, [max(a * FP8_HEADROOM / FP8_MAX, 1e-8) for a in amax])
+
+    def _set_scales(self, layer: int, pair) -> None:
+        """The device scales of ``layer`` and their host mirror, equal to the last bit (float32)."""
+        exact = torch.tensor(list(pair), dtype=torch.float32)
+        self._host_scales[layer] = tuple(exact.tolist())
+        self.scales[layer].copy_(exact)
 
     def _dequantize(self, layer: int, kv: int, q: torch.Tensor) -> torch.Tensor:
         return (q.view(torch.float8_e4m3fn).to(torch.float32) * self.scales[layer, kv]).to(self.dtype)

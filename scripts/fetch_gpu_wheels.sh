@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Download, on a machine with access to PyPI, the wheels that benchmarks/gpu_check.sh installs on an
+# Download, on a machine with access to PyPI, the wheels that scripts/gpu_check.sh installs on an
 # offline GPU machine (Linux x86_64, CPython 3.11 by default) into wheels/ at the repo root.
 #
-#   benchmarks/fetch_gpu_wheels.sh [--with-numpy] [--with-transformers]
+#   scripts/fetch_gpu_wheels.sh [--with-numpy] [--with-transformers]
 #
 # Always (about 23 MiB):
 #   flashinfer-python==0.6.18.post1, without its declared dependencies: cuda-python, cuda-tile,

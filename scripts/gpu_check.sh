@@ -2,9 +2,9 @@
 # One-shot check of the FlashInfer backend on a machine with one CUDA GPU (H200) and no internet.
 # Run from anywhere; it works in the repo root. Needs: torch with CUDA already installed, the CUDA
 # toolkit (nvcc) and a C++ compiler (FlashInfer 0.6 JIT-compiles its kernels on first use), and the
-# wheels/ folder made by benchmarks/fetch_gpu_wheels.sh. Budget: under 8 minutes, JIT included.
+# wheels/ folder made by scripts/fetch_gpu_wheels.sh. Budget: under 8 minutes, JIT included.
 #
-#   benchmarks/gpu_check.sh            (PYTHON=/path/to/python to pick the interpreter)
+#   scripts/gpu_check.sh            (PYTHON=/path/to/python to pick the interpreter)
 #
 # Steps (each prints its elapsed time; everything is logged to $OUT/gpu_check.log, or to
 # benchmarks/out/gpu_check/ when OUT is unset, with pytest's junit XML and gpu_bench.json):
@@ -20,8 +20,11 @@
 #      CUDA dependencies are not used by the paged wrappers), then `import flashinfer`;
 #   6. JIT-compiles the 2 FlashInfer modules the tests and the benchmark need (two builds in
 #      parallel; not fatal), then pytest -q -m gpu on the test files that carry the gpu mark
-#      (collecting all of tests/ would import dev-only dependencies such as hypothesis);
-#   7. python benchmarks/gpu_bench.py (torch vs flashinfer: tokens/s, TTFT p50, max |logit diff|);
+#      (collecting all of tests/ would import dev-only dependencies such as hypothesis): the
+#      backend against the torch reference, generate_batch AND generate (cold prompt, cached turn
+#      with a partial tail, left-padded batch) through FlashInfer against the torch backend;
+#   7. python benchmarks/gpu_bench.py (torch vs flashinfer: tokens/s, TTFT p50, a cached
+#      lm.generate turn's TTFT, max |logit diff|);
 #   8. if at least 150 s of the budget (GPU_CHECK_BUDGET_S, default 460) are left: the
 #      window/soft-cap and fp8 variant tests (RADIXCACHE_GPU_VARIANTS=1; 2 more JIT modules),
 #      else they are reported as skipped.
@@ -68,7 +71,7 @@ command -v "${CXX:-c++}" >/dev/null 2>&1 || die 3 "no C++ compiler (${CXX:-c++})
 echo "CUDA_HOME=$CUDA_HOME; c++: $(command -v "${CXX:-c++}")"
 
 stage "3. offline install of the dependencies from wheels/"
-[[ -d wheels ]] || die 4 "no wheels/ folder: run benchmarks/fetch_gpu_wheels.sh on a machine with internet and copy wheels/ here"
+[[ -d wheels ]] || die 4 "no wheels/ folder: run scripts/fetch_gpu_wheels.sh on a machine with internet and copy wheels/ here"
 if ! "$PY" -c "import os, sys; sys.exit(0 if sys.prefix != sys.base_prefix or os.environ.get('CONDA_PREFIX') else 1)"; then
   VENV=${RADIXCACHE_GPU_VENV:-/tmp/radixcache-gpu-venv}
   if [[ -x "$VENV/bin/python" ]] || "$PY" -m venv --system-site-packages "$VENV"; then
@@ -90,7 +93,7 @@ for pair in requests:requests tqdm:tqdm packaging:packaging ninja:ninja click:cl
     echo "installing $req"
     "${PIP[@]}" "$req" || {
       hint=""
-      [[ $mod == numpy ]] && hint=" (benchmarks/fetch_gpu_wheels.sh --with-numpy)"
+      [[ $mod == numpy ]] && hint=" (scripts/fetch_gpu_wheels.sh --with-numpy)"
       die 4 "$req is not installed and not in wheels/$hint"; }
   fi
 done
@@ -104,7 +107,7 @@ TF_OK="import sys, transformers; from packaging.version import Version as V; v =
 if ! "$PY" -c "$TF_OK" 2>/dev/null; then
   echo "installing transformers>=5.24,<6"
   "${PIP[@]}" "transformers>=5.24,<6" && "$PY" -c "$TF_OK" \
-    || die 4 "radixcache needs transformers>=5.24,<6 and wheels/ has none (benchmarks/fetch_gpu_wheels.sh --with-transformers)"
+    || die 4 "radixcache needs transformers>=5.24,<6 and wheels/ has none (scripts/fetch_gpu_wheels.sh --with-transformers)"
 fi
 
 stage "4. install radixcache (editable, no deps)"

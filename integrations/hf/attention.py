@@ -1,0 +1,101 @@
+"""Route a model's attention through radixcache's backends for forwards that carry a radixcache cache.
+
+``install(model)`` registers, under ``radixcache_paged_<original>``, an attention function and a
+mask function and switches the model to them (idempotent). For a forward whose cache is a
+``PlannedCache`` (``lm.generate`` and the engine) the mask function builds nothing and the attention
+function attends over the block tables through the step's backend. Every other forward (plain
+``model.generate``, another cache, no cache) gets the model's original attention and masks.
+
+Attention arguments radixcache's backends do not implement (attention sinks ``s_aux``, an additive
+``position_bias``, an attention mask the model built itself, dropout while training, any other
+tensor argument) raise ``UnsupportedAttention``: the entry points fall back to plain transformers
+instead of computing something else.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from radixcache.errors import CacheError
+from radixcache.integrations.hf.cache import PagedOffset, take_planned
+
+PREFIX = "radixcache_paged_"
+# keyword arguments the backends implement or that carry nothing attention needs
+HANDLED = {"scaling", "sliding_window", "softcap", "dropout", "is_causal", "position_ids",
+           "cache_position", "output_attentions", "use_cache", "position_embeddings"}
+
+
+class UnsupportedAttention(CacheError):
+    """A planned forward asked for attention radixcache's backends do not compute."""
+
+
+def install(model) -> None:
+    """Make every attention layer of ``model`` serve radixcache's planned forwards (idempotent)."""
+    original = model.config._attn_implementation
+    if original.startswith(PREFIX):
+        return
+    name = PREFIX + original
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _make_attention(original))
+        mask = ALL_MASK_ATTENTION_FUNCTIONS[original] if original in ALL_MASK_ATTENTION_FUNCTIONS \
+            else ALL_MASK_ATTENTION_FUNCTIONS["eager"]
+        AttentionMaskInterface.register(name, _make_mask(mask))
+    model.set_attn_implementation(name)
+
+
+def unsupported_arguments(module, attention_mask, kwargs) -> str | None:
+    """Why a planned forward with these attention arguments cannot be served, or None."""
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks (s_aux)"
+    if kwargs.get("position_bias") is not None:
+        return "an additive attention bias (position_bias)"
+    if kwargs.get("dropout"):
+        return "attention dropout (the model is in training mode)"
+    if attention_mask is not None:
+        return "an attention mask built by the model itself"
+    for name, value in kwargs.items():
+        if name not in HANDLED and isinstance(value, torch.Tensor):
+            return f"the attention argument {name!r}"
+    return None
+
+
+def _make_attention(original: str):
+    def paged_attention(module, query, key, value, attention_mask, **kwargs):
+        planned = take_planned(key)
+        if planned is None:
+            return _original_function(original, module)(module, query, key, value, attention_mask,
+                                                        **kwargs)
+        cache, layer = planned
+        reason = unsupported_arguments(module, attention_mask, kwargs)
+        if reason:
+            raise UnsupportedAttention(f"{type(module).__name__} needs {reason}")
+        scale = kwargs.get("scaling")
+        if scale is None:
+            scale = query.shape[-1] ** -0.5
+        out = cache.attend(layer, query, scale, kwargs.get("sliding_window"), kwargs.get("softcap"))
+        return out, None
+
+    return paged_attention
+
+
+def _make_mask(original):
+    def paged_mask(*args, **kwargs):
+        if isinstance(kwargs.get("kv_offset"), PagedOffset):
+            return None  # a planned forward: the backends read the block tables, not a mask
+        return original(*args, **kwargs)
+
+    return paged_mask
+
+
+def _original_function(original: str, module):
+    if original != "eager" and original in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[original]
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise CacheError(f"cannot find the original '{original}' attention of {type(module).__name__}")
+    return eager

@@ -1,0 +1,141 @@
+"""``lm.generate_batch``: settings resolved like transformers, requests built, the engine run.
+
+Unset sampling settings come from the model's ``generation_config`` and transformers' defaults,
+resolved with transformers' own ``GenerationConfig.update`` on a copy (which validates them and
+warns, as ``generate`` does, about sampling settings without ``do_sample``). A model whose engine
+path failed the self-test is served one prompt at a time by plain ``model.generate`` with the same
+settings instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+
+from radixcache.engine import BatchOutput, BatchRun, Request, SamplingParams, StreamToken
+from radixcache.integrations.hf.inputs import eos_ids
+
+TRANSFORMERS_DEFAULTS = dict(max_new_tokens=20, do_sample=False, temperature=1.0, top_k=50,
+                             top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+_RUNS = itertools.count()
+
+
+class FromModel:
+    """Default of ``eos_token_id``: the model's ``generation_config.eos_token_id``."""
+
+    def __repr__(self) -> str:
+        return "<model.generation_config.eos_token_id>"
+
+
+FROM_MODEL = FromModel()
+
+
+def resolve_settings(model, explicit: dict, eos_token_id, stop_token_ids):
+    """(settings for ``SamplingParams`` minus n/seed/stops, total length limit or None, stop ids)
+    from the call's arguments. Without ``max_new_tokens`` anywhere, a ``max_length`` in the
+    model's generation config is a total length (prompt included), as in transformers."""
+    given = {k: v for k, v in explicit.items() if v is not None}
+    if "max_new_tokens" in given and (isinstance(given["max_new_tokens"], bool)
+                                      or not isinstance(given["max_new_tokens"], int)):
+        raise TypeError(f"max_new_tokens must be an int, got {given['max_new_tokens']!r}")
+    config = copy.deepcopy(model.generation_config)
+    config.update(**given)  # transformers' validation (e.g. max_new_tokens <= 0 raises)
+    settings = {}
+    for name, default in TRANSFORMERS_DEFAULTS.items():
+        value = getattr(config, name, None)
+        settings[name] = default if value is None else value
+    total = config.max_length if config.max_new_tokens is None and config.max_length else None
+    if eos_token_id is FROM_MODEL:
+        stops = eos_ids(config)
+    else:
+        holder = copy.deepcopy(config)
+        holder.eos_token_id = eos_token_id
+        stops = eos_ids(holder)
+    if stop_token_ids is not None:
+        if isinstance(stop_token_ids, int):
+            stop_token_ids = [stop_token_ids]
+        stops = stops | set(stop_token_ids)
+    return settings, total, frozenset(stops)
+
+
+def build_requests(lm, prompts, settings: dict, total, stops, n, seed, cache_salt,
+                   priority) -> list[Request]:
+    """One checked ``Request`` per prompt (nothing is added anywhere yet); ``total``: a length
+    limit including the prompt, or None."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    run = next(_RUNS)
+    params = SamplingParams(stop_token_ids=stops, n=n, seed=seed, **settings)
+    requests = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple)):
+            raise TypeError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise TypeError(f"prompt {i} must hold ints")
+        bad = next((t for t in p if not 0 <= t < lm.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt {i}: token id {bad} is outside the vocabulary "
+                             f"0..{lm.vocab_size - 1}")
+        own = params
+        if total is not None:
+            if total <= len(p):
+                raise ValueError(f"prompt {i} has {len(p)} tokens but the generation config's "
+                                 f"max_length (prompt included) is {total}: pass max_new_tokens")
+            own = SamplingParams(**{**params.__dict__, "max_new_tokens": total - len(p)})
+        requests.append(Request(("batch", run, i), tuple(p), own, cache_salt, priority))
+    return requests
+
+
+def run_requests(engine, requests: list[Request], stream: bool, progress: bool):
+    """Run ``requests`` on ``engine``: a ``BatchOutput``, or the ``BatchRun`` to iterate."""
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError as e:
+            raise ImportError("progress=True needs tqdm: pip install tqdm") from e
+        bar = tqdm(total=sum(r.params.n for r in requests), unit="sample", desc="generate_batch")
+    run = BatchRun(engine, requests, bar)
+    return run if stream else run.result()
+
+
+def plain_batch(lm, requests: list[Request], stream: bool):
+    """The fallback: each prompt through plain ``model.generate`` with the same settings."""
+    samples, reasons = [], []
+    for r in requests:
+        p = r.params
+        kwargs = dict(max_new_tokens=p.max_new_tokens, do_sample=p.do_sample,
+                      repetition_penalty=p.repetition_penalty, num_return_sequences=p.n,
+                      eos_token_id=sorted(p.stop_token_ids) or None,
+                      pad_token_id=lm.model.generation_config.pad_token_id or 0)
+        if p.do_sample:
+            kwargs.update(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                          min_p=p.min_p or None)
+        if p.seed is not None:
+            torch.manual_seed(p.seed)
+        ids = torch.tensor([list(r.prompt)], device=lm.device)
+        with torch.no_grad():
+            out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        rows = [_until_stop(row, p) for row in out[:, ids.shape[1]:].tolist()]
+        samples.append([t for t, _ in rows])
+        reasons.append([why for _, why in rows])
+    result = BatchOutput(samples, [0] * len(requests), reasons)
+    if not stream:
+        return result
+    return iter([StreamToken(i, j, t) for i, per in enumerate(result)
+                 for j, s in enumerate(per) for t in s])
+
+
+def _until_stop(tokens: list, params: SamplingParams) -> tuple[list, str]:
+    for i, t in enumerate(tokens):
+        if t in params.stop_token_ids:
+            return tokens[:i + 1], "stop"
+    return tokens, "length"

@@ -1,0 +1,292 @@
+"""transformers ``Cache`` objects that write K/V into the paged pool and let radixcache attend.
+
+A model's attention layer calls ``cache.update(key, value, layer)`` and then its attention function
+with what ``update`` returned. A ``PlannedCache`` writes the new K/V into the pool through the
+forward's ``StepPlan`` and returns its inputs unchanged; radixcache's registered attention function
+(``attention.py``) recognises exactly those tensors (``take_planned``) and attends over the block
+tables through the backend. Anything else (a forward with another cache, or none) is served by the
+model's own attention and masks.
+
+- ``StepCache``: one engine step, its plan fixed in advance (a ``[1, T]`` packed forward).
+- ``PagedCache``: the cache ``lm.generate`` hands to transformers' own ``generate``: a batch of
+  rows, each with a ``Lease``. At layer 0 of every forward it commits what the previous forward
+  computed, grows each row's blocks to the new length (lazily: blocks grow as tokens arrive) and
+  plans the step. Left padding and already-cached columns are in no segment: the real query rows
+  are gathered for attention and scattered back.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from radixcache.attention.plan import Segment, StepPlan, device_tensor
+from radixcache.errors import CacheError, OutOfBlocks
+
+_PENDING = threading.local()  # (key tensor returned by update, cache, layer) of this thread
+
+
+class PagedOffset(int):
+    """The KV offset (always 0) a ``PlannedCache`` reports to transformers' mask builders; the
+    registered mask function sees it and builds no mask, since radixcache's backends read none."""
+
+
+PAGED_OFFSET = PagedOffset(0)
+
+
+def take_planned(key: torch.Tensor):
+    """``(cache, layer)`` when ``key`` is what a ``PlannedCache.update`` just returned in this
+    thread (then forgotten), else None."""
+    entry = getattr(_PENDING, "entry", None)
+    if entry is None or entry[0] is not key:
+        return None
+    _PENDING.entry = None
+    return entry[1], entry[2]
+
+
+class _Layer(CacheLayerMixin):
+    """Per-layer view transformers expects; all state lives in the owning cache, and every
+    operation a radixcache cache does not support (beam reordering, cropping, batch expansion,
+    row selection, reset) raises ``CacheError`` (their modes fall back to plain generate)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, owner: PlannedCache):
+        super().__init__()
+        self.owner = owner
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the pool exists already
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise CacheError("a radixcache cache is updated through the cache, not its layers")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.get_seq_length() + query_length, PAGED_OFFSET
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1  # grows lazily, bounded only by the pool
+
+    def reset(self) -> None:
+        raise CacheError("a radixcache cache cannot be reset")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise CacheError("a radixcache cache does not support beam reordering")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise CacheError("a radixcache cache does not support cropping")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise CacheError("a radixcache cache does not support expanding the batch")
+
+    def batch_select_indices(self, indices) -> None:
+        raise CacheError("a radixcache cache does not support selecting batch rows")
+
+
+class PlannedCache(Cache):
+    """Base: ``update`` writes through ``self.plan`` (set by ``begin_forward`` at layer 0) and
+    hands the plan to the attention function; ``attend`` runs the backend for one layer."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[_Layer(self) for _ in range(num_layers)])
+        self.plan: StepPlan | None = None
+        self.gather: torch.Tensor | None = None  # packed positions of the real query rows
+        self.shape: tuple = (0, 0)  # (batch, new columns) of the forward in flight
+
+    def begin_forward(self, batch: int, n: int) -> None:
+        """Set ``plan`` (and ``gather``) for a forward of ``n`` new columns per row."""
+        raise NotImplementedError
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs):
+        """Write this layer's new K/V (``[B, kv_heads, n, head_dim]``) into the pool; return them."""
+        batch, _, n, _ = key_states.shape
+        if layer_idx == 0:
+            self.begin_forward(batch, n)
+            self.shape = (batch, n)
+        elif self.plan is None or self.shape != (batch, n):
+            raise CacheError(f"layer {layer_idx} ran before layer 0 planned the forward")
+        self.plan.write(layer_idx, self._pack(key_states), self._pack(value_states))
+        _PENDING.entry = (key_states, self, layer_idx)
+        return key_states, value_states
+
+    def attend(self, layer: int, query: torch.Tensor, scale: float, sliding_window, softcap):
+        """``query [B, heads, n, head_dim]`` -> attention output ``[B, n, heads, head_dim]``."""
+        batch, heads, n, dim = query.shape
+        out = self.plan.attend(layer, self._pack(query), scale, sliding_window=sliding_window,
+                               softcap=softcap)
+        if self.gather is not None:
+            full = out.new_zeros(batch * n, heads, dim)
+            full.index_copy_(0, self.gather, out)
+            out = full
+        return out.view(batch, n, heads, dim)
+
+    def _pack(self, x: torch.Tensor) -> torch.Tensor:
+        batch, heads, n, dim = x.shape
+        x = x.transpose(1, 2).reshape(batch * n, heads, dim)
+        return x if self.gather is None else x.index_select(0, self.gather)
+
+
+class StepCache(PlannedCache):
+    """One engine step: a packed ``[1, T]`` forward whose plan is known before it starts."""
+
+    def __init__(self, plan: StepPlan):
+        super().__init__(plan.pool.num_layers)
+        self.step_plan = plan
+
+    def begin_forward(self, batch: int, n: int) -> None:
+        """Use the step's plan; the forward must be the packed ``[1, num_tokens]`` it describes."""
+        if batch != 1 or n != self.step_plan.num_tokens:
+            raise CacheError(f"the step plans {self.step_plan.num_tokens} packed tokens, the forward "
+                             f"has [{batch}, {n}]")
+        self.plan = self.step_plan
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """0: a packed step has no single past length (positions come as ``position_ids``)."""
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """Sizes transformers' mask builders ask for; the marked offset makes them build none."""
+        return query_length, PAGED_OFFSET
+
+
+class GenerateRow:
+    """One batch row of a ``lm.generate`` call: its real tokens so far, left padding, lease, and
+    how many of its tokens may go into the tree (up to its first EOS, included)."""
+
+    def __init__(self, tokens: list, pad: int, lease):
+        self.tokens = tokens
+        self.pad = pad
+        self.lease = lease
+        self.prompt_len = len(tokens)
+        self.keep = None  # index after the first EOS among the generated tokens, once seen
+
+
+class PagedCache(PlannedCache):
+    """The cache of one ``lm.generate`` call (see the module docstring).
+
+    ``rows``: ``GenerateRow`` per batch row; ``start``: the columns transformers treats as filled
+    (the smallest ``pad + lease.computed``); ``tokens_seen``: the ``StoppingCriteria`` that records
+    transformers' ``input_ids`` after each step (``latest``); ``eos``: EOS ids. After ``close()``
+    (when the call returns) every method raises ``CacheError``: pass the object back to
+    ``lm.generate`` (it is recognised, and the tree serves the prefix) or drop it.
+    """
+
+    def __init__(self, owner, manager, pool, backend, rows: list, start: int, tokens_seen,
+                 eos: set):
+        super().__init__(pool.num_layers)
+        self.owner = owner
+        self.manager = manager
+        self.pool = pool
+        self.backend = backend
+        self.rows = rows
+        self.length = start  # columns of every row that are filled (pads and cached included)
+        self.completed = start  # columns whose K/V every layer has written
+        self.tokens_seen = tokens_seen
+        self.eos = eos
+        self.released = False
+
+    def _check(self) -> None:
+        if self.released:
+            raise CacheError("this PagedCache was released when lm.generate returned: its blocks "
+                             "belong to the radix tree now. Pass it back to the same lm.generate "
+                             "(the cached prefix is found in the tree) or drop it")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns transformers treats as filled (every row's pads and cached tokens included)."""
+        self._check()
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """Sizes transformers' mask builders ask for; the marked offset makes them build none."""
+        self._check()
+        return self.length + query_length, PAGED_OFFSET
+
+    def begin_forward(self, batch: int, n: int) -> None:
+        """Commit what the previous forward computed, grow every row to ``length + n`` tokens
+        (``OutOfBlocks`` when even eviction cannot), and plan the forward's segments."""
+        self._check()
+        if batch != len(self.rows):
+            raise CacheError(f"generate runs {batch} rows, the cache holds {len(self.rows)}")
+        previous = self.length
+        self.completed = previous  # the forward before this one ran every layer
+        self._record(self.tokens_seen.latest, previous, n)
+        end = previous + n
+        with self.manager.lock:
+            self._commit()
+            try:
+                for row in self.rows:
+                    self.manager.grow(row.lease, end - row.pad)
+            except OutOfBlocks as e:
+                generated = len(self.rows[0].tokens) - self.rows[0].prompt_len
+                raise OutOfBlocks(f"the KV pool ran out after {generated} generated tokens ({e}); "
+                                  "what was computed is cached, so a retry or a continuation "
+                                  "reuses it: raise max_cache_tokens for longer outputs") from e
+        segments, gather, identity = [], [], True
+        for r, row in enumerate(self.rows):
+            first = max(previous, row.pad + row.lease.computed)
+            q_len = end - first
+            segments.append(Segment(len(gather), q_len, end - row.pad, tuple(row.lease.blocks)))
+            gather.extend(range(r * n + first - previous, r * n + n))
+            identity = identity and q_len == n
+        self.length = end
+        self.gather = None if identity else device_tensor(gather, self.pool.device)
+        self.plan = StepPlan(self.pool, segments, self.backend)
+
+    def _record(self, sequences, previous: int, n: int) -> None:
+        """Append columns ``previous .. previous+n-1`` of transformers' ``sequences`` (the tokens
+        generated so far) to each row, unless they are prompt columns, known already."""
+        row0 = self.rows[0]
+        if previous + n - row0.pad <= len(row0.tokens):
+            return
+        fed = sequences[:, previous:previous + n].tolist()
+        for row, new in zip(self.rows, fed):
+            for token in new:
+                if row.keep is None and token in self.eos:
+                    row.keep = len(row.tokens) + 1
+                row.tokens.append(token)
+
+    def _commit(self) -> None:
+        for row in self.rows:
+            keep = self.committable(row)
+            if keep > row.lease.computed:
+                self.manager.commit(row.lease, row.tokens, keep)
+
+    def committable(self, row: GenerateRow) -> int:
+        """Leading tokens of ``row`` whose K/V are computed and belong in the tree (nothing after
+        its first EOS: transformers keeps feeding finished rows padding)."""
+        done = self.completed - row.pad
+        return done if row.keep is None else min(done, row.keep)
+
+    def finish(self, sequences: torch.Tensor | None) -> None:
+        """The call ended (``sequences``: transformers' output, None after an error): commit what
+        was computed, release every lease, and refuse any further use."""
+        if self.released:
+            return
+        if sequences is not None:
+            self.completed = self.length
+            if sequences.shape[1] > self.length:  # the last token, never fed: no K/V
+                self._record(sequences, self.length, sequences.shape[1] - self.length)
+        with self.manager.lock:
+            try:
+                self._commit()
+                for row in self.rows:
+                    self.manager.release(row.lease, row.tokens[:max(self.committable(row),
+                                                                    row.lease.computed)])
+            finally:
+                for row in self.rows:
+                    if row.lease is not None and not row.lease.released:
+                        self.manager.release(row.lease)
+                    row.lease = None
+                self.released = True
+                self.plan = None
+                self.gather = None

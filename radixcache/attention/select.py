@@ -1,0 +1,39 @@
+"""Which attention backend serves a model: ``resolve_backend``."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from radixcache.errors import CacheError
+
+NAMES = ("auto", "torch", "flashinfer")
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                    storage_dtype: torch.dtype | None = None):
+    """The attention backend for ``name`` ("auto", "torch" or "flashinfer") on ``device``.
+
+    "auto" picks FlashInfer on CUDA when it is installed and can serve the model's dtype (fp16 or
+    bf16 compute, a pool of the same dtype or fp8), the torch reference otherwise. Raises
+    ``ValueError`` for an unknown name and ``CacheError`` when "flashinfer" cannot run here.
+    """
+    if name not in NAMES:
+        raise ValueError(f"attention must be 'auto', 'torch' or 'flashinfer', got {name!r}")
+    device = torch.device(device)
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    half = (torch.float16, torch.bfloat16)
+    servable = dtype in half and storage_dtype in (dtype, torch.float8_e4m3fn)
+    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and has_flashinfer
+                                and servable):
+        if device.type != "cuda":
+            raise CacheError("attention='flashinfer' needs the model on a CUDA device")
+        if not has_flashinfer:
+            raise CacheError("attention='flashinfer' needs flashinfer-python: pip install 'radixcache[gpu]'")
+        from radixcache.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(device)
+    from radixcache.attention.torch_backend import TorchBackend
+
+    return TorchBackend()

@@ -1,0 +1,87 @@
+"""One sample being generated, and the per-request bookkeeping the engine keeps (internal types)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from radixcache.engine.request import Request
+
+PREFILL_ONLY_PRIORITY = math.inf  # behind every normal request until promoted
+
+
+@dataclass(eq=False)
+class Live:
+    """A request the engine still serves: its samples, which of them finished, its cache hit."""
+
+    request: Request
+    namespace: tuple
+    seed: int
+    cached_tokens: int = 0
+    admitted: bool = False
+    finished: set = field(default_factory=set)  # sample indices that got their final event
+    boost: float = math.inf  # promoted priority of a prefill-only request (lower runs first)
+
+    @property
+    def priority(self) -> float:
+        """Effective priority: the request's own, a prefill-only one's boost (``inf`` unless a
+        normal request waits on it)."""
+        if self.request.prefill_only:
+            return min(self.boost, PREFILL_ONLY_PRIORITY)
+        return self.request.priority
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample: ``tokens`` = prompt + generated so far; ``lease`` its hold on the cache while it
+    runs (None while waiting). ``fork`` samples are forked from its first-token logits."""
+
+    live: Live
+    sample: int
+    tokens: list
+    prompt_len: int
+    arrival: int
+    generator: torch.Generator | None = None
+    seen: set | None = None  # ids for the repetition penalty (prompt and generated)
+    fork: int = 1
+    lease: object = None
+    admitted: int = -1
+    passed_over: int = 0
+    resumed: bool = False  # preempted (or forked without a block) and waiting to come back
+
+    @property
+    def request(self) -> Request:
+        """The request this sample belongs to."""
+        return self.live.request
+
+    @property
+    def computed(self) -> int:
+        """Leading tokens whose K/V are in the lease's blocks (0 while waiting)."""
+        return self.lease.computed if self.lease is not None else 0
+
+    @property
+    def generated(self) -> list:
+        """Tokens generated so far (the prompt not repeated)."""
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def in_prompt(self) -> bool:
+        """True while part of the prompt still has to be computed."""
+        return self.computed < self.prompt_len
+
+
+def common_prefix(a: list, b: list) -> int:
+    """Length of the longest common prefix of two token lists (C-speed slice compares)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
