@@ -53,18 +53,17 @@ class CacheManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, pool=None,
                  clock=time.monotonic, store=None):
-        if store is not None and (pool is None or store.block_size != block_size):
-            raise ValueError("a store needs the manager's pool and the same block size")
         self.allocator = BlockAllocator(num_blocks)
         self.tree = RadixCache(self.allocator, block_size, clock=clock)
         self.block_size = block_size
         self.pool = pool
-        self.store = store
         self.clock = clock
         self.lock = threading.RLock()
         self.ledger = Ledger()
         self._live: dict[int, Lease] = {}
         self._store_stats: dict = {}  # the store's counters, kept readable after close()
+        self.store = None
+        self.use_store(store)
 
     # ------------------------------------------------------------------ the lifecycle
     def admit(self, tokens: Sequence[int], namespace: Namespace = (), *, count: bool = True) -> Lease:
@@ -250,6 +249,13 @@ class CacheManager:
                     self.commit(lease, tokens, loaded * bs)
                 self.release(lease)
         return (loaded - first) * bs
+
+    def use_store(self, store) -> None:
+        """Attach a shared store (or None); it needs the manager's pool and its block size."""
+        if store is not None and (self.pool is None or store.block_size != self.block_size):
+            raise ValueError("a store needs the manager's pool and the same block size")
+        with self.lock:
+            self.store = store
 
     def close(self, timeout: float = 10.0) -> dict:
         """Flush and close the store (waiting up to ``timeout`` s for queued writes); returns its

@@ -32,3 +32,19 @@ def test_store_bench_quick_prints_tables(tmp_path):
     assert bench["share_of_redis_benchmark"] == 1.0
     assert [m["bytes_per_token"] for m in data["per_model"]] == [46_080, 131_072, 65_536, 70_272]
     assert isinstance(data["target_met"], bool)
+
+
+def test_store_ttft_quick_gives_the_same_token_and_hits_the_store(tmp_path):
+    """The cold-process TTFT benchmark's quick mode on the embedded model: the warm-store side
+    loads the whole prefix from Redis (and the script checks the first token is the same)."""
+    redis_binary()
+    out = tmp_path / "ttft.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_ttft.py"), "--quick",
+                             "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "radixcache store TTFT benchmark (quick)" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["bytes_per_token"] == 46_080
+    (row,) = data["rows"]
+    assert row["prefix"] == 256 and row["store_hit_tokens"] == 256
+    assert row["recompute_s"] > 0 and row["store_s"] > 0

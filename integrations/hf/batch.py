@@ -61,7 +61,7 @@ def resolve_settings(model, explicit: dict, eos_token_id, stop_token_ids):
 
 
 def build_requests(lm, prompts, settings: dict, total, stops, n, seed, cache_salt,
-                   priority) -> list[Request]:
+                   priority, retain_s=None) -> list[Request]:
     """One checked ``Request`` per prompt (nothing is added anywhere yet); ``total``: a length
     limit including the prompt, or None."""
     if isinstance(prompts, torch.Tensor):
@@ -90,7 +90,8 @@ def build_requests(lm, prompts, settings: dict, total, stops, n, seed, cache_sal
                 raise ValueError(f"prompt {i} has {len(p)} tokens but the generation config's "
                                  f"max_length (prompt included) is {total}: pass max_new_tokens")
             own = SamplingParams(**{**params.__dict__, "max_new_tokens": total - len(p)})
-        requests.append(Request(("batch", run, i), tuple(p), own, cache_salt, priority))
+        requests.append(Request(("batch", run, i), tuple(p), own, cache_salt, priority,
+                                retain_s=retain_s))
     return requests
 
 

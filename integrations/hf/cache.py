@@ -182,7 +182,7 @@ class PagedCache(PlannedCache):
     """
 
     def __init__(self, owner, manager, pool, backend, rows: list, start: int, tokens_seen,
-                 eos: set):
+                 eos: set, retain_s: float | None = None):
         super().__init__(pool.num_layers)
         self.owner = owner
         self.manager = manager
@@ -193,6 +193,7 @@ class PagedCache(PlannedCache):
         self.completed = start  # columns whose K/V every layer has written
         self.tokens_seen = tokens_seen
         self.eos = eos
+        self.retain_s = retain_s
         self.released = False
 
     def _check(self) -> None:
@@ -280,6 +281,8 @@ class PagedCache(PlannedCache):
             try:
                 self._commit()
                 for row in self.rows:
+                    if self.retain_s is not None and sequences is not None:
+                        self.manager.retain(row.lease, self.retain_s)
                     self.manager.release(row.lease, row.tokens[:max(self.committable(row),
                                                                     row.lease.computed)])
             finally:

@@ -55,15 +55,18 @@ def unsupported_call(config, mask, kwargs) -> str | None:
     return None
 
 
-def generate_paged(lm, ids: torch.Tensor, mask: torch.Tensor, config, kwargs: dict, namespace):
+def generate_paged(lm, ids: torch.Tensor, mask: torch.Tensor, config, kwargs: dict, namespace,
+                   retain_s: float | None = None):
     """Run one ``generate`` call through the paged path (see the module docstring)."""
     manager = lm.manager
     pads = (mask.shape[1] - mask.sum(dim=1)).tolist()
+    prompts = [ids[r, pad:].tolist() for r, pad in enumerate(pads)]
+    for tokens in prompts:  # a shared store's blocks after the local match (the network, no lock)
+        manager.prefetch(tokens, namespace)
     rows = []
     with manager.lock:
         try:
-            for r, pad in enumerate(pads):
-                tokens = ids[r, pad:].tolist()
+            for tokens, pad in zip(prompts, pads):
                 rows.append(GenerateRow(tokens, pad, manager.admit(tokens, namespace)))
         except BaseException:
             for row in rows:
@@ -72,7 +75,8 @@ def generate_paged(lm, ids: torch.Tensor, mask: torch.Tensor, config, kwargs: di
     cached = [row.lease.cached_tokens for row in rows]
     seen = TokensSeen()
     cache = PagedCache(lm, manager, lm.pool, lm.backend, rows,
-                       min(row.pad + row.lease.computed for row in rows), seen, eos_ids(config))
+                       min(row.pad + row.lease.computed for row in rows), seen, eos_ids(config),
+                       retain_s)
     stopping = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [seen])
     out = None
     try:

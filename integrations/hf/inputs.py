@@ -91,3 +91,14 @@ def eos_ids(config) -> set:
     if isinstance(eos, torch.Tensor):
         eos = eos.tolist()
     return {int(e) for e in eos} if isinstance(eos, (list, tuple, set)) else {int(eos)}
+
+
+def checked_retain(retain_s) -> float | None:
+    """``retain_s`` as float seconds (>= 0, finite) or None; ``TypeError``/``ValueError`` otherwise."""
+    if retain_s is None:
+        return None
+    if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)):
+        raise TypeError(f"retain_s must be a number of seconds or None, got {retain_s!r}")
+    if not 0 <= retain_s < float("inf"):
+        raise ValueError(f"retain_s must be finite and >= 0, got {retain_s!r}")
+    return float(retain_s)

@@ -23,7 +23,8 @@ from radixcache.integrations.hf.attention import UnsupportedAttention, install
 from radixcache.integrations.hf.cache import PagedCache
 from radixcache.integrations.hf.generate import generate_paged, unsupported_call
 from radixcache.integrations.hf.identity import kv_geometry, model_identity
-from radixcache.integrations.hf.inputs import checked_generation_config, prompt_tensors, split_mapping
+from radixcache.integrations.hf.inputs import (checked_generation_config, checked_retain,
+                                               prompt_tensors, split_mapping)
 from radixcache.integrations.hf.runner import HFModelRunner
 from radixcache.integrations.hf.selftest import run_self_tests
 from radixcache.kv.pool import KVPool, resolve_kv_dtype
@@ -37,16 +38,20 @@ GPU_MEMORY_SHARE = 0.5  # ... or of free GPU memory
 
 
 def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dtype=None,
-         attention: str = "auto", model_id: str | None = None) -> CachedLM:
+         attention: str = "auto", model_id: str | None = None, store=None) -> CachedLM:
     """Wrap a transformers causal LM so that ``generate`` reuses every cached prefix.
 
     ``max_cache_tokens`` sizes the KV pool (default: 25% of available RAM on CPU, 50% of free GPU
     memory on CUDA); ``kv_dtype`` is the pool's storage dtype (default the model's; "fp8" for
     e4m3); ``attention`` picks the backend ("auto", "torch" or "flashinfer"); ``model_id`` names
     the weights (default: a digest of config and sampled weights, see ``model_identity``).
+    ``store``: a shared KV tier, a ``redis://`` / ``rediss://`` URL (password or ACL user in the
+    URL; ``?ttl=`` seconds) or any ``radixcache.store.BlockStore``; blocks committed here are
+    written to it in the background and prompts load what it holds after the local match. A store
+    that is down or slow is a miss, never an error. Call ``lm.close()`` (or use ``with``) to flush.
     """
     return CachedLM(model, block_size=block_size, max_cache_tokens=max_cache_tokens,
-                    kv_dtype=kv_dtype, attention=attention, model_id=model_id)
+                    kv_dtype=kv_dtype, attention=attention, model_id=model_id, store=store)
 
 
 def default_cache_tokens(bytes_per_token: int, device: torch.device) -> int:
@@ -69,7 +74,7 @@ class CachedLM:
     it. ``cache`` is the ``RadixCache``, ``manager`` its ``CacheManager``, ``model`` the model."""
 
     def __init__(self, model, *, block_size: int = 16, max_cache_tokens: int | None = None,
-                 kv_dtype=None, attention: str = "auto", model_id: str | None = None):
+                 kv_dtype=None, attention: str = "auto", model_id: str | None = None, store=None):
         if not hasattr(model, "generate") or not hasattr(model, "config"):
             raise TypeError("wrap() takes a transformers PreTrainedModel with a generate() method")
         if attention not in ("auto", "torch", "flashinfer"):
@@ -93,11 +98,11 @@ class CachedLM:
         num_blocks = max_cache_tokens // block_size
         self.pool = KVPool(layers, num_blocks, block_size, kv_heads, head_dim, dtype=self.dtype,
                            device=self.device, kv_dtype=kv_dtype)
-        self.manager = CacheManager(num_blocks, block_size, pool=self.pool)
-        self.cache = self.manager.tree
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._explicit_id = model_id is not None
         self.model_id = model_id or model_identity(model)
+        self.manager = CacheManager(num_blocks, block_size, pool=self.pool)
+        self.cache = self.manager.tree
         self.backend = resolve_backend(attention, self.device, self.dtype, storage)
         self.runner = HFModelRunner(model, self.vocab_size, self.device, self.model_id)
         self._warned: set = set()
@@ -108,6 +113,7 @@ class CachedLM:
         self.engine_unsupported = self.unsupported
         if self.unsupported is None:
             self.unsupported, self.engine_unsupported = run_self_tests(self)
+        self.manager.use_store(open_store(store, self.pool, self.model_id))  # after the probes
 
     # ------------------------------------------------------------------ identity
     def namespace(self, cache_salt: str | None = None) -> tuple:
@@ -133,12 +139,16 @@ class CachedLM:
         self.manager.clear()
 
     # ------------------------------------------------------------------ generate
-    def generate(self, input_ids=None, attention_mask=None, cache_salt: str | None = None, **kwargs):
+    def generate(self, input_ids=None, attention_mask=None, cache_salt: str | None = None,
+                 retain_s: float | None = None, **kwargs):
         """``model.generate`` with prefix caching: same arguments, same return type, same tokens.
 
         ``input_ids`` may also be a mapping such as a ``BatchEncoding`` (its ``input_ids`` and
         ``attention_mask``); masks may be int, bool or float. ``cache_salt`` (a str) isolates
-        tenants. The ``PagedCache`` in a dict output's ``past_key_values`` is released when the
+        tenants. ``retain_s`` (seconds) hints that the conversation comes back within that time (an
+        agent waiting on a tool): its prefix is then evicted only after every prefix without a live
+        hint (soft: never refused for it, tokens never change). The ``PagedCache`` in a dict
+        output's ``past_key_values`` is released when the
         call returns: pass it back here (the tree serves its prefix) or drop it; any other use
         raises ``CacheError``. With ``return_dict_in_generate=True`` the output also has
         ``cached_tokens`` (per row: prompt tokens served from the cache). Raises ``TypeError`` /
@@ -147,6 +157,7 @@ class CachedLM:
         """
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        retain_s = checked_retain(retain_s)
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)
         input_ids, attention_mask = split_mapping(input_ids, attention_mask)
@@ -160,7 +171,8 @@ class CachedLM:
         if reason:
             return self._fallback(reason, dict(kwargs, input_ids=ids, attention_mask=mask), passed)
         try:
-            out = generate_paged(self, ids, mask, config, kwargs, self.namespace(cache_salt))
+            out = generate_paged(self, ids, mask, config, kwargs, self.namespace(cache_salt),
+                                 retain_s)
         except UnsupportedAttention as e:  # e.g. dropout in training mode: this call only
             return self._fallback(f"the paged KV path cannot serve this call: {e}",
                                   dict(kwargs, input_ids=ids, attention_mask=mask), passed)
@@ -195,8 +207,8 @@ class CachedLM:
                        min_p: float | None = None, repetition_penalty: float | None = None,
                        stop_token_ids=None, eos_token_id=batch_path.FROM_MODEL,
                        seed: int | None = None, n: int = 1, cache_salt: str | None = None,
-                       priority: int = 0, stream: bool = False, progress: bool = False,
-                       engine: Engine | None = None):
+                       priority: int = 0, retain_s: float | None = None, stream: bool = False,
+                       progress: bool = False, engine: Engine | None = None):
         """Continuous-batching generation for ``prompts`` (lists of token ids) over shared blocks.
 
         Unset settings come from ``model.generation_config`` and transformers' defaults
@@ -204,6 +216,8 @@ class CachedLM:
         without ``do_sample`` are ignored with transformers' warning. ``eos_token_id=None`` turns
         EOS off; ``stop_token_ids`` add more ids that end a sample. ``seed`` gives each prompt the
         same samples wherever it sits in the batch. ``n`` samples per prompt share its blocks.
+        ``retain_s``: the conversations come back within that many seconds (soft retention: their
+        prefixes are evicted after those without a live hint; tokens never change).
         ``progress=True`` shows a tqdm bar. ``engine``: an ``Engine`` from ``new_engine`` to run
         on (default: a fresh one); this call steps it, so no other loop may step it meanwhile.
 
@@ -218,13 +232,15 @@ class CachedLM:
         settings, total, stops = batch_path.resolve_settings(self.model, explicit, eos_token_id,
                                                              stop_token_ids)
         requests = batch_path.build_requests(self, prompts, settings, total, stops, n, seed,
-                                             cache_salt, priority)
+                                             cache_salt, priority, retain_s)
         if self.engine_unsupported:
             self.manager.record_fallback(self.engine_unsupported)
             return batch_path.plain_batch(self, requests, stream)
         engine = engine or self.new_engine()
         for request in requests:
             engine.check(request)
+        for request in requests:  # a shared store's blocks after the local match (the network)
+            self.manager.prefetch(request.prompt, self.namespace(request.cache_salt))
         if stream:
             return batch_path.run_requests(engine, requests, True, progress)
         try:
@@ -254,12 +270,27 @@ class CachedLM:
         ``computed_prompt_tokens``, ``generated_tokens``, ``fallbacks``, ``fallback_reasons``,
         ``preemptions``; sizes in tokens: ``cached_tokens``, ``pinned_tokens``,
         ``evictable_tokens``, ``free_tokens``, ``capacity_tokens``, ``evicted_tokens``) plus
-        ``kv_bytes_per_token``, ``kv_pool_bytes`` and, for fp8 pools, ``fp8_clamped_writes``."""
+        ``kv_bytes_per_token``, ``kv_pool_bytes``, ``fp8_clamped_writes`` and, with a store, its
+        counters (``store_hit_tokens``, ``store_miss_blocks``, ``store_written_blocks``,
+        ``store_dropped_blocks``, ``store_bytes_read``, ``store_bytes_written``, ``store_errors``,
+        ...), which stay readable after ``close()``."""
         out = self.manager.stats()
         out["kv_bytes_per_token"] = self.pool.bytes_per_token
         out["kv_pool_bytes"] = self.pool.total_bytes
         out["fp8_clamped_writes"] = self.pool.clamped_writes()
         return out
+
+    def close(self, timeout: float = 10.0) -> dict:
+        """Flush the shared store: wait up to ``timeout`` s for queued block writes, then stop
+        using it; returns its final counters (``store_written_blocks``, ``store_dropped_blocks``,
+        ...; also in ``stats()`` afterwards). The cache stays usable, without the store. Idempotent."""
+        return self.manager.close(timeout)
+
+    def __enter__(self) -> CachedLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def reset_stats(self) -> None:
         """Zero the counters of ``stats()`` (sizes are not counters and stay)."""
@@ -295,3 +326,20 @@ def _unsupported_reason(model) -> str | None:
     if other:
         return f"layers of type {other} keep no paged K/V"
     return None
+
+
+def open_store(store, pool, model_id: str):
+    """The ``BlockStore`` for ``wrap(store=...)``: None, a Redis URL (a ``RedisStore`` of the pool's
+    block format for ``model_id``), or a ready ``BlockStore`` (its block size must match)."""
+    if store is None:
+        return None
+    if isinstance(store, str):
+        from radixcache.integrations.redis_store import RedisStore, pool_format
+
+        return RedisStore(store, pool_format(pool, model=model_id))
+    from radixcache.store import BlockStore
+
+    if not isinstance(store, BlockStore):
+        raise TypeError(f"store must be a redis:// URL or a radixcache.store.BlockStore, got "
+                        f"{type(store).__name__}")
+    return store

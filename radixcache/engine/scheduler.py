@@ -168,9 +168,14 @@ class Scheduler:
             started.append(child)
         return started
 
-    def finish(self, seq: Sequence) -> None:
-        """Commit what ``seq`` computed and release everything it holds (running or waiting)."""
+    def finish(self, seq: Sequence, retain: bool = True) -> None:
+        """Commit what ``seq`` computed and release everything it holds (running or waiting); with
+        ``retain`` and the request's ``retain_s``, its committed path is retained that long."""
         if seq.lease is not None:
+            retain_s = seq.request.retain_s
+            if retain and retain_s is not None:
+                self.manager.commit(seq.lease, seq.tokens, seq.lease.computed)
+                self.manager.retain(seq.lease, retain_s)
             self.manager.release(seq.lease, seq.tokens)
             seq.lease = None
         if seq in self.running:
@@ -181,4 +186,4 @@ class Scheduler:
     def back_out(self, seqs) -> None:
         """After a failed forward: ``seqs`` keep only what earlier steps computed."""
         for seq in seqs:
-            self.finish(seq)
+            self.finish(seq, retain=False)
