@@ -25,7 +25,6 @@ class Lease:
     cached_tokens: int = 0
     released: bool = False
     committed_tokens: tuple = ()  # the tokens of the committed blocks (checked on every commit)
-    stored: int = 0  # leading blocks that came from the store (never offered back to it)
 
 
 @dataclass

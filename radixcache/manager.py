@@ -39,6 +39,7 @@ from dataclasses import fields
 from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError, OutOfBlocks
 from radixcache.lease import Lease, Ledger
+from radixcache.prefetch import prefetch_from_store
 from radixcache.tree import Match, Namespace, RadixCache, as_token_tuple
 
 __all__ = ["CacheManager", "Lease", "Ledger"]
@@ -119,10 +120,13 @@ class CacheManager:
             need = -(-length // self.block_size) - len(lease.blocks)
             return need <= self.freeable_blocks()
 
-    def commit(self, lease: Lease, tokens: Sequence[int], computed: int) -> None:
+    def commit(self, lease: Lease, tokens: Sequence[int], computed: int, *,
+               offer: bool = True) -> None:
         """Record that ``tokens[:computed]`` have K/V in ``lease.blocks`` and put the whole blocks
         not yet in the tree into it at once (one tree walk); the lease's lock moves down to the new
-        end of its path, and blocks another request cached first are swapped for the tree's."""
+        end of its path, and blocks another request cached first are swapped for the tree's. The
+        blocks the tree adopted are offered to the store unless ``offer`` is False (they came
+        from it)."""
         with self.lock:
             self._check_live(lease, "commit")
             bs = self.block_size
@@ -143,8 +147,8 @@ class CacheManager:
             self.tree.lock(got.node)
             self.tree.unlock(lease.node)
             lease.node = got.node
-            first_new = max(got.cached // bs, lease.stored)  # blocks the tree adopted from us
-            if self.store is not None and first_new < full:
+            first_new = got.cached // bs  # the blocks the tree adopted from this lease
+            if offer and self.store is not None and first_new < full:
                 self.store.offer(lease.namespace, whole, first_new, lease.blocks[first_new:full],
                                  self.pool)
             for i in range(lease.committed, full):
@@ -203,52 +207,10 @@ class CacheManager:
                 del self._live[id(lease)]
 
     def prefetch(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
-        """Load from the store the whole blocks of ``tokens[:-1]`` that follow the local match, as
-        many as the store holds in a row and the pool can take, into the tree (as evictable
-        entries, so the ``admit`` that follows matches them); returns how many tokens were loaded.
-
-        Waits on the network (bounded by the store's timeouts) without holding ``lock``; a store
-        that fails is a miss, never an exception. Without a store it returns 0 at once."""
-        store = self.store
-        if store is None:
-            return 0
-        tokens = as_token_tuple(tokens)
-        bs = self.block_size
-        usable = (len(tokens) - 1) // bs if tokens else 0
-        with self.lock:
-            start = self.tree.peek(tokens[:usable * bs], namespace) // bs
-            limit = min(usable - start, self.freeable_blocks())
-        if limit <= 0:
-            return 0
-        got = store.fetch(namespace, tokens[:usable * bs], start, limit)
-        if not got:
-            return 0
-        end = start + len(got)
-        with self.lock:
-            lease = self.admit(tokens[:end * bs + 1], namespace, count=False)
-            first = lease.committed
-            if first < start:  # evicted since the look-up: what was fetched no longer follows
-                self.release(lease)
-                return 0
-            try:
-                self.grow(lease, end * bs)
-            except OutOfBlocks:  # the pool filled up meanwhile: load nothing
-                self.release(lease)
-                return 0
-        loaded = first
-        try:  # the lease holds these blocks alone: fill them without the lock
-            for j in range(first, end):
-                self.pool.import_block(lease.blocks[j], got[j - start])
-                loaded = j + 1
-        except ValueError:
-            pass  # a block this pool cannot hold exactly (e.g. fp8 that would clip): stop there
-        finally:
-            with self.lock:
-                lease.stored = loaded
-                if loaded > first:
-                    self.commit(lease, tokens, loaded * bs)
-                self.release(lease)
-        return (loaded - first) * bs
+        """Load the store's blocks that follow the local match of ``tokens[:-1]`` into the tree;
+        returns the tokens loaded (see ``radixcache.prefetch``). Call it before ``admit``, without
+        holding ``lock``: it waits on the network. Without a store it returns 0 at once."""
+        return prefetch_from_store(self, tokens, namespace)
 
     def use_store(self, store) -> None:
         """Attach a shared store (or None); it needs the manager's pool and its block size."""
