@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from radixcache.tree import Namespace, Node
 
@@ -39,3 +39,22 @@ class Ledger:
     preemptions: int = 0
     fallbacks: int = 0
     fallback_reasons: dict = field(default_factory=dict)
+
+    def count_request(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count one admitted request: ``prompt_tokens`` queried, ``cached_tokens`` of them hit."""
+        self.requests += 1
+        self.queried_tokens += prompt_tokens
+        self.hit_tokens += cached_tokens
+        self.computed_prompt_tokens += prompt_tokens - cached_tokens
+
+    def count_fallback(self, reason: str) -> None:
+        """Count one request served without the cache, and why."""
+        self.fallbacks += 1
+        self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+
+    def as_dict(self) -> dict:
+        """Every counter, a copy of ``fallback_reasons``, and ``hit_rate`` (hit / queried tokens)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["fallback_reasons"] = dict(self.fallback_reasons)
+        out["hit_rate"] = self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        return out

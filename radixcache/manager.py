@@ -34,11 +34,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import fields
 
 from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError, OutOfBlocks
 from radixcache.lease import Lease, Ledger
+from radixcache.manager_check import check_manager
 from radixcache.prefetch import prefetch_from_store
 from radixcache.tree import Match, Namespace, RadixCache, as_token_tuple
 
@@ -98,11 +98,7 @@ class CacheManager:
         admission it keeps, so a prompt is never counted twice."""
         with self.lock:
             self._check_live(lease, "record_admission")
-            led = self.ledger
-            led.requests += 1
-            led.queried_tokens += prompt_tokens
-            led.hit_tokens += lease.cached_tokens
-            led.computed_prompt_tokens += prompt_tokens - lease.cached_tokens
+            self.ledger.count_request(prompt_tokens, lease.cached_tokens)
 
     def grow(self, lease: Lease, length: int) -> None:
         """Give ``lease`` blocks for ``length`` tokens, allocating only what is missing and evicting
@@ -257,9 +253,7 @@ class CacheManager:
     def record_fallback(self, reason: str) -> None:
         """Count one request served without the cache, and why."""
         with self.lock:
-            led = self.ledger
-            led.fallbacks += 1
-            led.fallback_reasons[reason] = led.fallback_reasons.get(reason, 0) + 1
+            self.ledger.count_fallback(reason)
 
     def freeable_blocks(self) -> int:
         """Blocks an allocation can get now: the free ones plus those eviction would free."""
@@ -271,10 +265,8 @@ class CacheManager:
         (held by the tree), ``pinned_tokens``, ``evictable_tokens``, ``free_tokens``,
         ``capacity_tokens``, ``evicted_tokens``, and ``running`` (live leases)."""
         with self.lock:
-            led, tree, bs = self.ledger, self.tree, self.block_size
-            out = {f.name: getattr(led, f.name) for f in fields(led)}
-            out["fallback_reasons"] = dict(led.fallback_reasons)
-            out["hit_rate"] = led.hit_tokens / led.queried_tokens if led.queried_tokens else 0.0
+            tree, bs = self.tree, self.block_size
+            out = self.ledger.as_dict()
             out.update(cached_tokens=tree.cached_blocks * bs, pinned_tokens=tree.pinned_blocks * bs,
                        evictable_tokens=tree.evictable_blocks * bs,
                        free_tokens=self.allocator.num_free * bs,
@@ -299,20 +291,12 @@ class CacheManager:
         """Verify the tree's invariants and the manager's (module docstring); AssertionError says
         what is wrong."""
         with self.lock:
-            self.tree.check()
-            held = 0
-            for lease in self._live.values():
-                path = self.tree.path_blocks(lease.node)
-                assert list(path) == lease.blocks[:lease.committed], \
-                    f"{lease}: committed blocks are not the tree's path to its locked node"
-                assert not any(self.tree.holds(b) for b in lease.blocks[lease.committed:]), \
-                    f"{lease}: holds a tree block off its locked path"
-                assert lease.computed <= len(lease.blocks) * self.block_size
-                held += len(lease.blocks)
-            alloc = self.allocator
-            total = sum(alloc.refcount(b) for b in range(alloc.num_blocks))
-            assert total == self.tree.cached_blocks + held, \
-                f"reference counts sum to {total}, tree {self.tree.cached_blocks} + leases {held}"
+            check_manager(self.tree, self.allocator, self.leases(), self.block_size)
+
+    def leases(self) -> tuple:
+        """The live leases (admitted or forked, not yet released)."""
+        with self.lock:
+            return tuple(self._live.values())
 
     # ------------------------------------------------------------------ helpers
     def _allocate(self, n: int, what: str) -> list:

@@ -44,6 +44,13 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}") from None
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_bytes: int) -> int:
+    """The bytes-per-token formula (MHA/GQA/MQA): 2 (K and V) x layers x kv_heads x head_dim x
+    bytes per element. Every byte count in radixcache (the pool, the sizing table, benchmarks)
+    comes from here."""
+    return 2 * layers * kv_heads * head_dim * element_bytes
+
+
 def classify_attention(query_heads: int, kv_heads: int) -> str:
     """The attention kind implied by head counts: "MQA" if one KV head, "MHA" if as many KV heads
     as query heads, else "GQA". Raises ValueError if kv_heads exceeds query_heads."""
@@ -131,8 +138,9 @@ class KVShape:
     @property
     def elements_per_token(self) -> int:
         """Cached elements per token across all layers."""
-        per_layer = self.head_dim if self.attention == "MLA" else 2 * self.kv_heads * self.head_dim
-        return self.layers * per_layer
+        if self.attention == "MLA":
+            return self.layers * self.head_dim
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, 1)
 
     def bytes_per_token(self, dtype: str = "bf16") -> int:
         """KV bytes for one token in every layer at ``dtype`` (see ``dtype_bytes``)."""

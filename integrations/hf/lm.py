@@ -12,7 +12,6 @@ one-time warning and a ``fallbacks`` count in ``stats()``.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -25,16 +24,15 @@ from radixcache.integrations.hf.generate import generate_paged, unsupported_call
 from radixcache.integrations.hf.identity import kv_geometry, model_identity
 from radixcache.integrations.hf.inputs import (checked_generation_config, checked_retain,
                                                prompt_tensors, split_mapping)
+from radixcache.integrations.hf.resources import default_cache_tokens, open_store, unsupported_reason
 from radixcache.integrations.hf.runner import HFModelRunner
 from radixcache.integrations.hf.selftest import run_self_tests
 from radixcache.kv.pool import KVPool, resolve_kv_dtype
 from radixcache.manager import CacheManager
+from radixcache.sizing import kv_bytes_per_token
 
 logger = logging.getLogger("radixcache")
 
-SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
-CPU_MEMORY_SHARE = 0.25  # default pool size: this share of available RAM ...
-GPU_MEMORY_SHARE = 0.5  # ... or of free GPU memory
 
 
 def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dtype=None,
@@ -52,20 +50,6 @@ def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dt
     """
     return CachedLM(model, block_size=block_size, max_cache_tokens=max_cache_tokens,
                     kv_dtype=kv_dtype, attention=attention, model_id=model_id, store=store)
-
-
-def default_cache_tokens(bytes_per_token: int, device: torch.device) -> int:
-    """Tokens that fit in the documented default share of memory on ``device``."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(1, int(free * GPU_MEMORY_SHARE // bytes_per_token))
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f
-                             if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return max(1, int(available * CPU_MEMORY_SHARE // bytes_per_token))
 
 
 class CachedLM:
@@ -89,7 +73,8 @@ class CachedLM:
         self.dtype = next(model.parameters()).dtype
         layers, kv_heads, head_dim = kv_geometry(model.config)
         storage = resolve_kv_dtype(kv_dtype, self.dtype)
-        bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=storage).element_size()
+        element = torch.empty((), dtype=storage).element_size()
+        bytes_per_token = kv_bytes_per_token(layers, kv_heads, head_dim, element)
         if max_cache_tokens is None:
             max_cache_tokens = default_cache_tokens(bytes_per_token, self.device)
         if not isinstance(max_cache_tokens, int) or max_cache_tokens < block_size:
@@ -109,7 +94,7 @@ class CachedLM:
         self._clamped_seen = 0
         self._engine = None
         install(model)
-        self.unsupported = _unsupported_reason(model)
+        self.unsupported = unsupported_reason(model)
         self.engine_unsupported = self.unsupported
         if self.unsupported is None:
             self.unsupported, self.engine_unsupported = run_self_tests(self)
@@ -314,32 +299,3 @@ class CachedLM:
         return (f"CachedLM({type(self.model).__name__}, block_size={self.block_size}, "
                 f"capacity_tokens={self.manager.allocator.num_blocks * self.block_size}, "
                 f"backend={self.backend.name})")
-
-
-def _unsupported_reason(model) -> str | None:
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
-        return "encoder-decoder models are not supported"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = getattr(text, "layer_types", None) or []
-    other = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
-    if other:
-        return f"layers of type {other} keep no paged K/V"
-    return None
-
-
-def open_store(store, pool, model_id: str):
-    """The ``BlockStore`` for ``wrap(store=...)``: None, a Redis URL (a ``RedisStore`` of the pool's
-    block format for ``model_id``), or a ready ``BlockStore`` (its block size must match)."""
-    if store is None:
-        return None
-    if isinstance(store, str):
-        from radixcache.integrations.redis_store import RedisStore, pool_format
-
-        return RedisStore(store, pool_format(pool, model=model_id))
-    from radixcache.store import BlockStore
-
-    if not isinstance(store, BlockStore):
-        raise TypeError(f"store must be a redis:// URL or a radixcache.store.BlockStore, got "
-                        f"{type(store).__name__}")
-    return store

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from radixcache.sizing import kv_bytes_per_token
 from radixcache.store import BlockKV
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -85,7 +86,7 @@ class KVPool:
     def bytes_per_token(self) -> int:
         """Bytes of K and V for one token across all layers, in storage dtype."""
         elem = torch.empty((), dtype=self.storage_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
 
     @property
     def total_bytes(self) -> int:
