@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from radixcache.table import render_table
+
 
 def fmt(value, spec: str) -> str:
     """``value`` formatted with ``spec``, or "-" when it is None (not measured)."""
@@ -18,15 +20,9 @@ def median(values):
 
 
 def table(header, rows, left=(0,)) -> str:
-    """A plain-text table: columns padded to their widest cell, those in ``left`` left-aligned."""
-    cells = [tuple(header)] + [tuple(r) for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-
-    def line(row):
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+    """A plain-text table (``radixcache.table.render_table``): columns padded to their widest cell,
+    those in ``left`` left-aligned."""
+    return render_table(header, rows, left)
 
 
 def model_label(model) -> str:

@@ -51,7 +51,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import fmt  # noqa: E402
+from benchmarks.report import fmt, table  # noqa: E402
 
 from radixcache import BlockAllocator, RadixCache  # noqa: E402
 
@@ -313,14 +313,7 @@ def render(rows: list[dict]) -> str:
                       fmt(r["ratio_vs_sha256"], ".2f"), fmt(r["ratio_vs_xxh3"], ".2f"),
                       fmt(r["target_us"], ".0f"),
                       "-" if r["met"] is None else ("yes" if r["met"] else "NO")))
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
-    left = {0, 1}
-
-    def line(row):
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-
-    sep = "  ".join("-" * w for w in widths)
-    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+    return table(cells[0], cells[1:], left=(0, 1))
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from radixcache.demo_agent import (DEFAULT_SYSTEM_TOKENS, Conversation, build_system_prompt,
                                    count_tokens, script_step)
+from radixcache.table import render_table
 
 MAX_NEW_TOKENS = 24
 DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct"
@@ -84,6 +85,7 @@ def timed_generate(generate, prompt: list[int], max_new_tokens: int, pad_id) -> 
 
 # ---------------------------------------------------------------------- output
 def format_table(plain: list[Turn], cached: list[Turn]) -> str:
+    """The per-turn table of the two loops, with a total row."""
     header = ("turn", "prompt tok", "cached tok", "TTFT plain ms", "TTFT cached ms", "speedup",
               "turn plain ms", "turn cached ms", "identical")
     rows = []
@@ -101,13 +103,7 @@ def format_table(plain: list[Turn], cached: list[Turn]) -> str:
              f"{tp * 1e3:,.0f}", f"{tc * 1e3:,.0f}", f"{tp / tc:.1f}x",
              f"{sum(p.turn_s for p in plain) * 1e3:,.0f}", f"{sum(c.turn_s for c in cached) * 1e3:,.0f}",
              f"{n_same}/{len(plain)}")
-    widths = [max(len(r[k]) for r in [header, *rows, total]) for k in range(len(header))]
-
-    def line(cells):
-        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *map(line, rows), rule, line(total)])
+    return render_table(header, rows, left=(), footer=[total])
 
 
 def write_plot(path: Path, plain: list[Turn], cached: list[Turn], title: str) -> bool:

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from radixcache.table import render_table
+
 ATTENTION_KINDS = ("MHA", "GQA", "MQA", "MLA")
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -334,14 +336,7 @@ def render_kv_table(rows: list[dict]) -> str:
     columns = list(_COLUMNS)
     if rows and "fits" in rows[0]:
         columns.append((f"fit in {format_bytes(rows[0]['memory'])}", lambda r: f"{r['fits']:,}", ">"))
-    cells = [[name for name, _, _ in columns]]
-    cells += [[cell(row) for _, cell, _ in columns] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    aligns = [align for _, _, align in columns]
-
-    def line(values):
-        return "  ".join(f"{v:{a}{w}}" for v, a, w in zip(values, aligns, widths)).rstrip()
-
-    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
-    out += [line(values) for values in cells[1:]]
-    return "\n".join(out)
+    header = [name for name, _, _ in columns]
+    cells = [[cell(row) for _, cell, _ in columns] for row in rows]
+    left = [i for i, (_, _, align) in enumerate(columns) if align == "<"]
+    return render_table(header, cells, left)
