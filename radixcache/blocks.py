@@ -193,6 +193,28 @@ class BlockAllocator:
                              f"the caller must hold its blocks")
         return ids
 
+    def adoptable(self, ids: array, marks: bytearray) -> bool:
+        """Whether every id of ``ids`` (an ``array('I')``) is inside the pool, held (count >= 1),
+        named once, and 0 in ``marks`` (one byte per pool block): all an insert must know of the
+        blocks a tree adopts, in one pass. False says only that some check failed: the caller then
+        runs the checks that name the problem."""
+        n = len(ids)
+        if n < VECTOR_MIN:
+            if len(set(ids)) != n:
+                return False
+            counts, size = self._counts, len(self._counts)
+            for block in ids:
+                if block >= size or not counts[block] or marks[block]:
+                    return False
+            return True
+        v = np.frombuffer(ids, np.uint32)
+        if int(v.max()) >= len(self._counts) or not self._view()[v].all():
+            return False
+        if np.frombuffer(marks, np.uint8)[v].any():
+            return False
+        v = np.sort(v)
+        return not (v[1:] == v[:-1]).any()
+
     def retain_checked(self, ids: array, distinct: bool = False) -> None:
         """``retain`` for ids ``check_held`` returned (the hot path of tree inserts); ``distinct``
         says the caller knows no id is named twice."""

@@ -201,18 +201,13 @@ class RadixCache:
         # Where the caller passes the tree's own blocks for the cached part (as match returned
         # them), those are valid by construction; otherwise every id is checked. The walk's splits
         # change nothing observable, so checking after it still changes nothing on failure.
-        checked = adopted if ids[:pos // bs4].tobytes() == path else ids
+        own_prefix = ids[:pos // bs4].tobytes() == path
+        checked = adopted if own_prefix else ids
         if tail is not None:
             checked = checked + tail
-        if has_duplicates(checked):
-            raise CacheError("insert: the same block id appears twice")
-        self.allocator.check_held(checked, "insert")
-        if tail is not None and body.in_tree[tail[0]]:
-            raise CacheError(f"insert: tail block {tail[0]} already belongs to the tree")
+        if not (own_prefix and self.allocator.adoptable(checked, body.in_tree)):
+            self._check_adopted(checked, adopted, tail)
         if adopted:
-            owned = body.marked(adopted)
-            if owned:
-                raise CacheError(f"insert: blocks {owned[:8]} already belong to the tree at other positions")
             node = body.add_child(node, whole[pos:], adopted)
             self.stats.inserted_tokens += len(adopted) * self.block_size
             path += adopted
@@ -221,6 +216,18 @@ class RadixCache:
         if self.store.parent[node] >= 0:
             body.touch(node)
         return pos, node, path
+
+    def _check_adopted(self, checked: array, adopted: array, tail: array | None) -> None:
+        """Raise the error that names why ``checked`` (the blocks an insert adopts, or every block
+        it was given, plus the tail) cannot be adopted."""
+        if has_duplicates(checked):
+            raise CacheError("insert: the same block id appears twice")
+        self.allocator.check_held(checked, "insert")
+        if tail is not None and self.body.in_tree[tail[0]]:
+            raise CacheError(f"insert: tail block {tail[0]} already belongs to the tree")
+        owned = self.body.marked(adopted)
+        if owned:
+            raise CacheError(f"insert: blocks {owned[:8]} already belong to the tree at other positions")
 
     # ----------------------------------------------------------------- pins and retention
     def lock(self, node: Node) -> None:
