@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import heapq
 import json
 import os
 import sys

@@ -5,7 +5,8 @@ import gc
 import pytest
 
 from radixcache.tree import LIVE_CACHES
-from redis_servers import redis_auth_server, redis_cluster, redis_server, redis_servers  # noqa: F401 (fixtures)
+
+pytest_plugins = ["redis_servers"]  # the redis-server fixtures
 
 
 @pytest.fixture(autouse=True)

@@ -82,7 +82,8 @@ def test_out_of_blocks_is_a_cache_error_and_changes_nothing():
     assert issubclass(OutOfBlocks, CacheError)
     alloc = BlockAllocator(4)
     twin = BlockAllocator(4)
-    held, twin_held = alloc.allocate(3), twin.allocate(3)
+    held = alloc.allocate(3)
+    twin.allocate(3)
     before = snapshot(alloc)
     for n in (2, 4, 5, 1000):
         with pytest.raises(OutOfBlocks):

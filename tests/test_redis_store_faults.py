@@ -163,8 +163,8 @@ def test_full_store_refuses_writes_softly(redis_server):
     raw.config_set("maxmemory", used + 4 * store.value_bytes)
     fill(pool, range(16), seed=5)
     seq = tokens(16, start=5000)
-    for start in range(0, 16, 4):
-        store.offer(NS, seq, start, list(range(start, start + 4)), pool)
+    for first in range(0, 16, 4):
+        store.offer(NS, seq, first, list(range(first, first + 4)), pool)
     stats = store.close(timeout=30)
     assert stats["store_written_blocks"] < 2 + 16
     assert stats["store_dropped_blocks"] >= 1 and stats["store_errors"] >= 1

@@ -12,6 +12,7 @@ one-time warning and a ``fallbacks`` count in ``stats()``.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
