@@ -71,14 +71,18 @@ class ServerState:
         self.tokenizer = tokenizer
         self.info = info
         self.renderer = ChatRenderer(tokenizer, options.chat_template)
-        self.engine = engine
         self.model_names = tuple(options.served_model_names) or (info.name,)
         self.metrics = ServerMetrics()
-        self.metrics.attach(engine.counts if engine is not None else None)
+        self.attach_engine(engine)
         self.gate = AdmissionGate(options.max_in_flight)
         self.histories = HistoryIndex()
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixcache-render")
         self._background: set = set()
+
+    def attach_engine(self, engine) -> None:
+        """Serve generation with ``engine`` (an ``EngineClient``; None: generation answers 503)."""
+        self.engine = engine
+        self.metrics.attach(engine.counts if engine is not None else None)
 
     @property
     def limits(self) -> EngineLimits:
