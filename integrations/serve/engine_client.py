@@ -73,7 +73,9 @@ class EngineRequest:
     """One unit of work: ``prompt`` token ids, sampling, tenant salt (namespace), priority.
 
     ``prefill_only``: compute the K/V of every whole block of ``prompt`` that is not cached into the
-    tree and generate nothing (``params.max_new_tokens`` is ignored).
+    tree and generate nothing (``params.max_new_tokens`` is ignored). ``retain_s``: a hint that the
+    conversation comes back within that many seconds: when the request ends, what it computed is
+    evicted only after prefixes without a live hint (it never changes a token).
     """
 
     request_id: str
@@ -82,6 +84,7 @@ class EngineRequest:
     cache_salt: str | None = None
     priority: Priority = Priority.NORMAL
     prefill_only: bool = False
+    retain_s: float | None = None
 
 
 class TokenEvent(NamedTuple):

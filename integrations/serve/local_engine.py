@@ -18,7 +18,7 @@ Threading model (the contract is ``engine_client.py``):
 Request mapping: temperature 0 is greedy, anything else samples (OpenAI's default 1 samples); ``n``
 greedy samples are identical, so the engine computes one and its events are fanned out to every
 index; ``seed`` (any int) is reduced to the engine's non-negative range; the stop ids, the tenant
-salt and the priority pass through; a LOW ``prefill_only`` request is the engine's prefill-only
+salt, the priority and the retention hint pass through; a LOW ``prefill_only`` request is the engine's prefill-only
 request (behind every normal one unless a normal one waits on its blocks).
 """
 
@@ -52,7 +52,8 @@ def engine_request(request: EngineRequest) -> Request:
                             seed=None if p.seed is None else p.seed % SEED_RANGE,
                             stop_token_ids=p.stop_token_ids)
     return Request(request.request_id, tuple(request.prompt), params, cache_salt=request.cache_salt,
-                   priority=int(request.priority), prefill_only=request.prefill_only)
+                   priority=int(request.priority), prefill_only=request.prefill_only,
+                   retain_s=request.retain_s)
 
 
 class _Route:
