@@ -67,7 +67,8 @@ class _Route:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.fanout = fanout
         n = 1 if request.prefill_only else request.params.n
-        self.open = set(range(n))  # indices without a final event yet (written by whoever routes)
+        self.indices = frozenset(range(n))  # every index the reader gets a final event for
+        self.open = set(self.indices)  # indices without a final event yet (written by whoever routes)
         self.added = False  # handed to the engine (after a prefetch, if any)
         self.aborted = False
         self.cached_tokens = 0
@@ -255,7 +256,8 @@ class LocalEngine:
             self._wake.notify()
 
     async def _stream(self, route: _Route):
-        waiting = set(route.open)
+        # from the indices, not route.open: the scheduler thread may have closed some already
+        waiting = set(route.indices)
         try:
             while waiting:
                 event = await route.queue.get()
