@@ -36,10 +36,11 @@ def test_options_are_read_and_checked(tmp_path, monkeypatch):
                                            "--block-size", "32", "--chat-template", str(template),
                                            "--served-model-name", "a", "b", "--api-key", "k1", "--api-key", "k2",
                                            "--isolate-cache-by-key", "--max-running", "8", "--max-queue", "100",
-                                           "--no-history-precompute"))
+                                           "--no-history-precompute", "--store", "redis://127.0.0.1:6390/2"))
     assert options.chat_template == DRIFT_GENERATION_THINK and options.api_keys == ("k1", "k2")
     assert options.served_model_names == ("a", "b") and options.max_in_flight == 108
     assert not options.history_precompute and options.isolate_cache_by_key
+    assert options.store == "redis://127.0.0.1:6390/2" and ServeOptions.from_args(parse()).store is None
     state = build_state(options)
     assert state.renderer.template == DRIFT_GENERATION_THINK  # --chat-template replaces the tokenizer's
     assert state.model_names == ("a", "b") and state.limits == (512, 4096, 32)
@@ -47,7 +48,7 @@ def test_options_are_read_and_checked(tmp_path, monkeypatch):
     assert ServeOptions.from_args(parse()).api_keys == ("from-env",)
     bad = [(["--model", str(tmp_path)], "no config.json"), (["--chat-template", str(tmp_path / "none")], "chat-template"),
            (["--isolate-cache-by-key"], "needs at least one --api-key"), (["--api-key", " "], "must not be empty"),
-           (["--max-cache-tokens", "8"], "smaller than one block")]
+           (["--max-cache-tokens", "8"], "smaller than one block"), (["--store", "127.0.0.1:6379"], "redis://")]
     monkeypatch.delenv("RADIXCACHE_API_KEY")
     for argv, words in bad:
         with pytest.raises(ValueError, match=words):

@@ -34,7 +34,9 @@ request (client disconnect): its blocks are released at once (whole computed blo
 tree), the stream yields the final "abort" events. It is idempotent and a no-op for unknown or
 finished requests. After ``abort`` the server may stop reading the stream (a client that went away):
 the engine must never wait on a reader, and drops the events nobody reads. ``counts()`` is a cheap snapshot for ``/metrics``; ``limits()`` is constant.
-``close()`` aborts everything and stops the scheduler thread.
+``close()`` aborts everything and stops the scheduler thread. An engine with a shared store may
+also offer ``store_stats() -> dict`` (its ``radixcache.store.STORE_COUNTERS``), exported in
+``/metrics``.
 """
 
 from __future__ import annotations

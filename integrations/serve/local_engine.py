@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from radixcache.engine import Request
 from radixcache.engine import SamplingParams as EngineSampling
 from radixcache.errors import OutOfBlocks
+from radixcache.store import STORE_COUNTERS
 from radixcache.integrations.serve.engine_client import (EngineCounts, EngineLimits, EngineOverloaded,
                                                          EngineRequest, TokenEvent)
 
@@ -205,6 +206,11 @@ class LocalEngine:
         total = self.manager.allocator.num_blocks
         return EngineCounts(len(sched.running), len(sched.waiting) + prefetching,
                             total - self.manager.freeable_blocks(), total)
+
+    def store_stats(self) -> dict:
+        """The shared store's counters (``store_hit_tokens``, ``store_written_blocks``, ...; see
+        ``radixcache.store.STORE_COUNTERS``) from ``lm.stats()``; empty without a store."""
+        return {k: v for k, v in self.lm.stats().items() if k in STORE_COUNTERS}
 
     async def close(self) -> None:
         """Abort everything, stop the scheduler thread (and close ``lm`` when it was asked to)."""

@@ -30,7 +30,8 @@ def build_state(options: ServeOptions, engine=None):
 
 def load_engine(options: ServeOptions, info):
     """The ``LocalEngine`` serving ``options.model`` (default: the embedded SmolLM2): float32 on CPU,
-    bfloat16 on CUDA; ``--max-cache-tokens``, ``--block-size`` and ``--max-running`` apply."""
+    bfloat16 on CUDA; ``--max-cache-tokens``, ``--block-size``, ``--max-running`` and ``--store`` (a
+    shared Redis tier; unreachable: a warning, then the server runs without it) apply."""
     import torch
 
     import radixcache
@@ -40,7 +41,8 @@ def load_engine(options: ServeOptions, info):
     cuda = torch.cuda.is_available()
     model, _ = load_model(options.model, dtype="bfloat16" if cuda else "float32",
                           device="cuda" if cuda else "cpu")
-    lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens)
+    lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens,
+                         store=options.store)
     engine = lm.new_engine(max_running=options.max_running)
     # room for one history precompute per request in flight: those are never what a client waits on
     return LocalEngine(lm, engine, max_requests=2 * options.max_in_flight,

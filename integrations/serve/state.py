@@ -82,7 +82,8 @@ class ServerState:
     def attach_engine(self, engine) -> None:
         """Serve generation with ``engine`` (an ``EngineClient``; None: generation answers 503)."""
         self.engine = engine
-        self.metrics.attach(engine.counts if engine is not None else None)
+        self.metrics.attach(engine.counts if engine is not None else None,
+                            getattr(engine, "store_stats", None))
 
     @property
     def limits(self) -> EngineLimits:
