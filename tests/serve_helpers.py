@@ -1,9 +1,8 @@
 """Shared pieces of the server tests: the embedded tokenizer, chat templates, a live uvicorn server.
 
-Templates (written here, nothing downloaded):
-- ``DRIFT_GENERATION_THINK``: ChatML that puts an empty ``<think></think>`` into the generation
-  prompt only (past assistant turns are written without it), as Qwen3-style templates do;
-- ``DRIFT_STRIP_THINK``: ChatML that strips ``<think>...</think>`` from past assistant turns;
+Templates (nothing downloaded): the two drifting ones, ``DRIFT_GENERATION_THINK`` and
+``DRIFT_STRIP_THINK``, live in ``benchmarks/drift_templates.py`` (the serve benchmark runs them too)
+and are re-exported here;
 - ``TOOLS_TEMPLATE``: ChatML with its own tools support (reads ``tools`` and ``tool_calls``, writes
   calls as ``<tool_call>`` blocks with the arguments through ``tojson``).
 """
@@ -11,25 +10,14 @@ Templates (written here, nothing downloaded):
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from functools import lru_cache
+from pathlib import Path
 
-DRIFT_GENERATION_THINK = (
-    "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}{%- endif %}")
-
-DRIFT_STRIP_THINK = (
-    "{%- for message in messages %}"
-    "{%- set content = message['content'] %}"
-    "{%- if message['role'] == 'assistant' and '</think>' in content %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}"
-    "{%- endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}")
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from drift_templates import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK  # noqa: E402,F401 (re-exported)
 
 TOOLS_TEMPLATE = (
     "{%- if tools %}"
