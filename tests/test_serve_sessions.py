@@ -7,7 +7,7 @@ turns): the server computes each reply's history form into the cache at low prio
 next request waits for that work instead of computing it again. The last turn's greedy text equals
 ``model.generate`` on the same rendered prompt. Without the precompute the same conversation stops
 short, and ``/metrics`` says why. ``prompt_cache_key`` / ``prompt_cache_retention`` keep a
-session's prefix over prefixes without a hint.
+session's prefix over prefixes without a hint; with ``--isolate-cache-by-key`` tenants share nothing.
 """
 
 import openai
@@ -155,5 +155,24 @@ def test_a_session_key_keeps_its_prefix_over_prefixes_without_one(tmp_path):
                     client.chat.completions.create(model="tiny-smol", max_tokens=2, prompt_cache_key="s",
                                                    extra_body=bad, messages=[{"role": "user", "content": "x"}])
                 assert info.value.param == "prompt_cache_retention"
+    finally:
+        served.stop()
+
+
+def test_tenants_with_their_own_keys_never_share_a_block(tmp_path):
+    directory = write_model_dir(tmp_path / "tiny-smol", max_positions=2048, weights=True)
+    served = Served(directory, api_keys=("key-a", "key-b"), isolate_cache_by_key=True)
+    prompt = ids(4, 100)
+    try:
+        def cached(key) -> tuple:
+            with served.client(api_key=key) as client:
+                body = client.completions.create(model="tiny-smol", prompt=prompt, max_tokens=4, temperature=0)
+            return body.choices[0].text, body.usage.prompt_tokens_details.cached_tokens
+
+        text, first = cached("key-a")
+        assert first == 0 and cached("key-a") == (text, 99)
+        assert cached("key-b") == (text, 0)  # the same prompt, another tenant: computed again
+        with pytest.raises(openai.AuthenticationError):
+            cached("key-c")
     finally:
         served.stop()

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=positive_int, metavar="N", default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting beyond those, before 429 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--store", metavar="URL", default=None,
-                        help="a shared KV tier: redis://[user:password@]host:port/db (or rediss://); "
+                        help="a shared KV tier: redis://[user:password@]host:port/db (or rediss://, unix://); "
                              "replicas on one store share their prefixes")
     parser.add_argument("--no-history-precompute", action="store_true",
                         help="do not compute each reply's history form into the cache after it finishes")
@@ -111,8 +111,8 @@ class ServeOptions:
             raise ValueError(f"--max-cache-tokens {args.max_cache_tokens} is smaller than one block "
                              f"(--block-size {args.block_size})")
         store = getattr(args, "store", None)
-        if store is not None and not store.startswith(("redis://", "rediss://")):
-            raise ValueError(f"--store {store}: expected a redis:// or rediss:// URL")
+        if store is not None and not store.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--store {store}: expected a redis://, rediss:// or unix:// URL")
         return cls(model=model, host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
                    block_size=args.block_size, chat_template=template,
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
