@@ -196,6 +196,19 @@ class Served:
         ids = list(self.state.tokenizer(text, add_special_tokens=False)["input_ids"]) + ([2] if eos else [])
         self.model.script = {len(prompt) - 1 + i: t for i, t in enumerate(ids)}
 
+    def plain_greedy_text(self, prompt, max_new: int) -> str:
+        """The text of ``model.generate`` (plain transformers, greedy, the server's stop ids) on
+        ``prompt``, decoded as the server decodes a reply."""
+        import torch
+
+        stops = self.state.info.stop_token_ids
+        ids = torch.tensor([list(prompt)])
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                      do_sample=False, eos_token_id=sorted(stops), pad_token_id=0)
+        generated = [t for t in out[0, len(prompt):].tolist() if t not in stops]
+        return self.state.tokenizer.decode(generated, skip_special_tokens=True)
+
     def metrics(self) -> str:
         import httpx
 

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import torch
 
 from serve_helpers import Served, metric, write_model_dir
 
@@ -47,21 +46,6 @@ def client(served):
     served.assert_clean()
 
 
-def plain_greedy(served, prompt, max_new: int) -> list:
-    """``model.generate`` (plain transformers, greedy, EOS of the server) on ``prompt``."""
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = served.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                    do_sample=False, eos_token_id=sorted(served.state.info.stop_token_ids),
-                                    pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def decoded(served, ids) -> str:
-    return served.state.tokenizer.decode([t for t in ids if t not in served.state.info.stop_token_ids],
-                                         skip_special_tokens=True)
-
-
 def streamed(stream):
     """(text per choice index, finish reason per index, the usage) of a streamed chat completion."""
     texts, reasons, usage = {}, {}, None
@@ -78,7 +62,7 @@ def streamed(stream):
 def test_streaming_and_not_give_model_generates_greedy_text(served, client):
     messages = chat("Name a colour.")
     prompt = served.render(messages)
-    expected = decoded(served, plain_greedy(served, prompt, 20))
+    expected = served.plain_greedy_text(prompt, 20)
     body = client.chat.completions.create(model="tiny-smol", messages=messages, max_tokens=20, temperature=0)
     assert body.choices[0].message.content == expected and body.choices[0].finish_reason == "length"
     assert body.usage.prompt_tokens == len(prompt) and body.usage.completion_tokens == 20

@@ -45,16 +45,6 @@ def chat_server(request, tmp_path_factory):
     server.stop()
 
 
-def plain_greedy_text(served, prompt, max_new: int) -> str:
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = served.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                    do_sample=False, eos_token_id=sorted(served.state.info.stop_token_ids),
-                                    pad_token_id=0)
-    generated = [t for t in out[0, len(prompt):].tolist() if t not in served.state.info.stop_token_ids]
-    return served.state.tokenizer.decode(generated, skip_special_tokens=True)
-
-
 def converse(served, template: str, client, turns: int = len(USERS)) -> list:
     """Run the conversation; per turn ``(prompt ids, cached tokens, ideal)``, where ideal is the
     whole blocks of the previous turn's history form that the prompt repeats. The last turn is
@@ -74,7 +64,7 @@ def converse(served, template: str, client, turns: int = len(USERS)) -> list:
         assert body.usage.prompt_tokens == len(prompt)
         content = body.choices[0].message.content
         if last:
-            assert content == plain_greedy_text(served, prompt, 12)
+            assert content == served.plain_greedy_text(prompt, 12)
         else:
             assert content == reply_text(template, turn) and body.choices[0].finish_reason == "stop"
         ideal = 0

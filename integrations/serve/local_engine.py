@@ -15,11 +15,7 @@ Threading model (the contract is ``engine_client.py``):
 - With a shared store, ``manager.prefetch`` (network) runs on a small thread pool before the
   request is handed to the engine, so the scheduler thread never waits on the store.
 
-Request mapping: temperature 0 is greedy, anything else samples (OpenAI's default 1 samples); ``n``
-greedy samples are identical, so the engine computes one and its events are fanned out to every
-index; ``seed`` (any int) is reduced to the engine's non-negative range; the stop ids, the tenant
-salt, the priority and the retention hint pass through; a LOW ``prefill_only`` request is the engine's prefill-only
-request (behind every normal one unless a normal one waits on its blocks).
+How a server request maps to the engine's, and the way its events go back, is ``routing.py``.
 """
 
 from __future__ import annotations
@@ -30,83 +26,16 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from radixcache.engine import Request
-from radixcache.engine import SamplingParams as EngineSampling
 from radixcache.errors import OutOfBlocks
-from radixcache.store import STORE_COUNTERS
 from radixcache.integrations.serve.engine_client import (EngineCounts, EngineLimits, EngineOverloaded,
-                                                         EngineRequest, TokenEvent)
+                                                         EngineRequest)
+from radixcache.integrations.serve.routing import Route, context_length, engine_request
+from radixcache.store import STORE_COUNTERS
 
 logger = logging.getLogger("radixcache.serve")
 
 STALL_WAIT_S = 0.001  # blocks held outside the engine: look again this soon (or when notified)
-SEED_RANGE = 2**63
 PREFETCH_THREADS = 4
-
-
-def engine_request(request: EngineRequest) -> Request:
-    """The ``radixcache.engine.Request`` for a server request (see the module docstring)."""
-    p = request.params
-    greedy = p.temperature == 0
-    params = EngineSampling(max_new_tokens=p.max_new_tokens, do_sample=not greedy,
-                            temperature=1.0 if greedy else p.temperature,
-                            top_p=1.0 if greedy else p.top_p, n=1 if greedy else p.n,
-                            seed=None if p.seed is None else p.seed % SEED_RANGE,
-                            stop_token_ids=p.stop_token_ids)
-    return Request(request.request_id, tuple(request.prompt), params, cache_salt=request.cache_salt,
-                   priority=int(request.priority), prefill_only=request.prefill_only,
-                   retain_s=request.retain_s)
-
-
-class _Route:
-    """One request's way back to its reader: its loop and queue, and which indices are still open.
-
-    ``fanout``: the engine computes one greedy sample that stands for every index."""
-
-    def __init__(self, request: EngineRequest, loop, fanout: bool):
-        self.request = request
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.fanout = fanout
-        n = 1 if request.prefill_only else request.params.n
-        self.indices = frozenset(range(n))  # every index the reader gets a final event for
-        self.open = set(self.indices)  # indices without a final event yet (written by whoever routes)
-        self.added = False  # handed to the engine (after a prefetch, if any)
-        self.aborted = False
-        self.cached_tokens = 0
-
-    def translate(self, event) -> list[TokenEvent]:
-        """The reader's events for one engine event (several when fanned out); closes indices."""
-        self.cached_tokens = event.cached_tokens
-        indices = sorted(self.open) if self.fanout else [event.sample]
-        out = []
-        for i in indices:
-            if i not in self.open:
-                continue
-            out.append(TokenEvent(i, event.token, event.finish_reason, event.cached_tokens, event.error))
-            if event.finished:
-                self.open.discard(i)
-        return out
-
-    def closing(self, indices, reason: str, error: str | None = None) -> list[TokenEvent]:
-        """Final events for ``indices`` that are still open (an abort or failure decided here)."""
-        out = [TokenEvent(i, None, reason, self.cached_tokens, error) for i in sorted(indices)
-               if i in self.open]
-        self.open.difference_update(indices)
-        return out
-
-    def push(self, events: list[TokenEvent]) -> None:
-        """Hand ``events`` to the reader's loop (from any thread); dropped once the loop is gone."""
-        if not events:
-            return
-        try:
-            self.loop.call_soon_threadsafe(_put_all, self.queue, events)
-        except RuntimeError:  # the loop is closed: nobody reads any more
-            pass
-
-
-def _put_all(queue: asyncio.Queue, events) -> None:
-    for event in events:
-        queue.put_nowait(event)
 
 
 class LocalEngine:
@@ -125,11 +54,11 @@ class LocalEngine:
         self.engine = engine if engine is not None else lm.engine
         self.manager = self.engine.manager
         self.max_requests = max_requests
-        self._limits = EngineLimits(max_context_tokens or _context_length(lm.model.config),
+        self._limits = EngineLimits(max_context_tokens or context_length(lm.model.config),
                                     self.manager.allocator.num_blocks * self.manager.block_size,
                                     self.manager.block_size)
         self._close_lm = close_lm
-        self._routes: dict = {}  # request_id -> _Route
+        self._routes: dict = {}  # request_id -> Route
         self._lock = threading.Lock()  # guards _routes and every route's open/added/aborted
         self._wake = threading.Condition()
         self._closing = False
@@ -155,7 +84,7 @@ class LocalEngine:
         except OutOfBlocks as exc:
             raise ValueError(str(exc)) from None
         fanout = not request.prefill_only and native.params.n < request.params.n
-        route = _Route(request, asyncio.get_running_loop(), fanout)
+        route = Route(request, asyncio.get_running_loop(), fanout)
         with self._lock:
             if request.request_id in self._routes:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -231,7 +160,7 @@ class LocalEngine:
             await loop.run_in_executor(None, self.lm.close)
 
     # ------------------------------------------------------------------ handing over
-    def _prefetch_then_add(self, route: _Route, native: Request, namespace) -> None:
+    def _prefetch_then_add(self, route: Route, native: Request, namespace) -> None:
         try:
             loaded = self.manager.prefetch(native.prompt, namespace)
             if loaded:
@@ -240,7 +169,7 @@ class LocalEngine:
             logger.exception("request %s: prefetch from the store failed", native.request_id)
         self._add(route, native)
 
-    def _add(self, route: _Route, native: Request) -> None:
+    def _add(self, route: Route, native: Request) -> None:
         with self._lock:
             if route.aborted or self._routes.get(native.request_id) is not route:
                 return  # aborted while it was prefetching: its final events went out then
@@ -261,7 +190,7 @@ class LocalEngine:
         with self._wake:
             self._wake.notify()
 
-    async def _stream(self, route: _Route):
+    async def _stream(self, route: Route):
         # from the indices, not route.open: the scheduler thread may have closed some already
         waiting = set(route.indices)
         try:
@@ -317,11 +246,3 @@ class LocalEngine:
                 route.push(route.closing(set(route.open), "error", why))
         for route in routes:
             self.engine.abort(route.request.request_id)
-
-
-def _context_length(config) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    length = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    if not length:
-        raise ValueError("the model config names no context length (max_position_embeddings)")
-    return int(length)
