@@ -310,3 +310,15 @@ def test_usage_is_json_everywhere(served):
                   if line.startswith("data: {")]
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
     served.assert_clean()
+
+
+def test_a_model_the_engine_cannot_serve_is_refused():
+    """Attention the engine does not compute (GPT-OSS sinks): the server refuses the model rather
+    than answer with tokens that may be wrong."""
+    import radixcache
+    from radixcache.integrations.serve.local_engine import LocalEngine
+    from test_unsupported_attention import gpt_oss
+
+    lm = radixcache.wrap(gpt_oss(), block_size=4, max_cache_tokens=512)
+    with pytest.raises(ValueError, match="cannot run on radixcache's engine: .*s_aux"):
+        LocalEngine(lm)

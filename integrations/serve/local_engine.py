@@ -42,7 +42,8 @@ class LocalEngine:
     """An ``EngineClient`` over ``lm`` (a ``CachedLM``) and ``engine`` (default: ``lm.engine``).
 
     ``max_requests`` bounds the requests it holds (normal and precompute alike); one more raises
-    ``EngineOverloaded``. ``max_context_tokens`` defaults to the model config's. ``close_lm``:
+    ``EngineOverloaded``. ``max_context_tokens`` defaults to the model config's. A model whose
+    wrap-time self-tests ruled the engine out (``lm.engine_unsupported``) raises ``ValueError``. ``close_lm``:
     ``close()`` also closes ``lm`` (flushing its store). See the module docstring for the threads.
     """
 
@@ -50,6 +51,8 @@ class LocalEngine:
                  close_lm: bool = False):
         if not isinstance(max_requests, int) or max_requests < 1:
             raise ValueError(f"max_requests must be an int >= 1, got {max_requests!r}")
+        if engine is None and lm.engine_unsupported:  # never serve tokens the engine cannot get right
+            raise ValueError(f"this model cannot run on radixcache's engine: {lm.engine_unsupported}")
         self.lm = lm
         self.engine = engine if engine is not None else lm.engine
         self.manager = self.engine.manager

@@ -43,6 +43,10 @@ def load_engine(options: ServeOptions, info):
                           device="cuda" if cuda else "cpu")
     lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens,
                          store=options.store)
+    if lm.engine_unsupported:  # the self-tests ruled the engine out: refuse rather than risk a token
+        lm.close()
+        raise ValueError(f"{options.model or 'the model'} cannot run on radixcache's engine: "
+                         f"{lm.engine_unsupported}")
     engine = lm.new_engine(max_running=options.max_running)
     # room for one history precompute per request in flight: those are never what a client waits on
     return LocalEngine(lm, engine, max_requests=2 * options.max_in_flight,
