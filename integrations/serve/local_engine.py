@@ -51,7 +51,7 @@ class LocalEngine:
                  close_lm: bool = False):
         if not isinstance(max_requests, int) or max_requests < 1:
             raise ValueError(f"max_requests must be an int >= 1, got {max_requests!r}")
-        if engine is None and lm.engine_unsupported:  # never serve tokens the engine cannot get right
+        if lm.engine_unsupported:  # never serve tokens the engine cannot get right
             raise ValueError(f"this model cannot run on radixcache's engine: {lm.engine_unsupported}")
         self.lm = lm
         self.engine = engine if engine is not None else lm.engine
