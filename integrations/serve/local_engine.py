@@ -43,8 +43,9 @@ class LocalEngine:
 
     ``max_requests`` bounds the requests it holds (normal and precompute alike); one more raises
     ``EngineOverloaded``. ``max_context_tokens`` defaults to the model config's. A model whose
-    wrap-time self-tests ruled the engine out (``lm.engine_unsupported``) raises ``ValueError``. ``close_lm``:
-    ``close()`` also closes ``lm`` (flushing its store). See the module docstring for the threads.
+    wrap-time self-tests ruled the engine out (``lm.engine_unsupported``) raises ``ValueError``.
+    ``close_lm``: ``close()`` also closes ``lm`` (flushing its store). See the module docstring for
+    the threads.
     """
 
     def __init__(self, lm, engine=None, *, max_requests: int = 1024, max_context_tokens: int | None = None,
