@@ -270,9 +270,12 @@ def main(argv=None) -> int:
                     phases.append(asyncio.run(run_phase(server, run_work, n, turns, max_tokens, budget)))
             finally:
                 server.stop()
+            if any(c.error for p in phases if p.server == label for c in p.calls):
+                print(f"{label} failed calls; the end of its log:\n{server.tail(2000)}", file=sys.stderr)
     inprocess = None
     if "radixcache" in names and not args.no_inprocess:
         inprocess = inprocess_ttft_ms(model_dir, work, turns, max_tokens)
+    inprocess_ms = inprocess.ttft_ms if inprocess else None
     header = ("server", "sessions", "turn", "prompt tok", "TTFT p50 ms", "TTFT p95 ms", "out tok/s",
               "cached tok", "ideal tok", "cached/ideal")
     print(table(header, [row for phase in phases for row in phase_rows(phase)], left=(0,)))
@@ -282,16 +285,19 @@ def main(argv=None) -> int:
     print("TTFT: request sent to the first content chunk (streamed, greedy). out tok/s: completion tokens "
           "over the wall time. cached: usage.prompt_tokens_details.cached_tokens ('-': not reported); "
           "ideal: prompt tokens repeating the session's previous turn token for token.")
-    if inprocess is not None:
-        print(f"in-process lm.generate TTFT, turns 2+ (one session, history precomputed): {inprocess:,.0f} ms")
+    if inprocess_ms is not None:
+        print(f"in-process lm.generate TTFT, turns 2+ (one session, history precomputed): {inprocess_ms:,.0f} ms; "
+              f"cached tokens per turn: {', '.join(f'{c:,}' for c in inprocess.cached)}")
     print()
-    print(table(("target", "measured", "goal", "met"), target_rows(phases, inprocess), left=(0,)))
+    print(table(("target", "measured", "goal", "met"), target_rows(phases, inprocess_ms), left=(0,)))
     errors = [c.error for p in phases for c in p.calls if c.error]
     for line in failures + errors[:5]:
         print(f"FAILED {line}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps({"phases": [asdict(p) for p in phases], "failures": failures,
-                                               "inprocess_ttft_ms": inprocess}, indent=1) + "\n")
+                                               "inprocess_ttft_ms": inprocess_ms,
+                                               "inprocess_cached": inprocess.cached if inprocess else None},
+                                              indent=1) + "\n")
     return 1 if failures or errors else 0
 
 

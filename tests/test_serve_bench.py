@@ -81,6 +81,8 @@ def test_quick_radixcache_rows_in_process_reference_and_targets(tmp_path, capsys
             assert call["cached_tokens"] >= (call["ideal_cached"] // 16 * 16 if call["turn"] > 1 else 0)
             assert call["turn"] == 1 or call["ideal_cached"] > 0
     assert result["inprocess_ttft_ms"] > 0 and "in-process lm.generate TTFT" in printed
+    first, *later = result["inprocess_cached"]
+    assert first == 0 and all(c > 0 for c in later)  # the in-process reference hits its cache too
     targets = printed[printed.index("target "):]
     for words in ("vs transformers-cb", "vs in-process generate", "output tok/s", "radixcache[generation_think]"):
         assert words in targets
