@@ -11,14 +11,19 @@ Per server, sessions and turn it prints: prompt tokens, TTFT p50/p95 (request se
 content chunk, over the sessions), output tokens/s (that turn's completion tokens over its wall
 span), cached tokens as the server reports them in ``usage.prompt_tokens_details.cached_tokens``
 ("-" when it reports none) against the ideal: the prompt tokens that repeat the session's previous
-turn token for token (its history form, rendered with the model's chat template; 0 on turn 1).
+turn token for token (its history form, rendered with the server's chat template; 0 on turn 1).
+radixcache runs once more with each drifting chat template (``benchmarks/drift_templates.py``, at
+the first session count). After the servers, one session is played in this process through
+``lm.generate`` (``serve_inprocess.py``) for the in-process TTFT reference, and the issue's
+targets are printed as met or missed (``serve_report.py``).
 
 ``--quick`` bounds the run (3 turns, 16 new tokens, a time budget per phase: no turn starts after
 90 s and calls still running at 180 s are cut off and reported as incomplete); default
 ``transformers serve`` takes 7-8 s per turn on the embedded model on 2 CPU cores. Timings measured
 on a shared machine are noisy: the README's numbers come from a quiet one.
 
-    python benchmarks/serve.py [--quick] [--model DIR] [--servers transformers,transformers-cb]
+    python benchmarks/serve.py [--quick] [--model DIR] [--servers radixcache,transformers,transformers-cb]
+                               [--templates generation_think,strip_think]
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +39,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import fmt, median, table  # noqa: E402
+from drift_templates import TEMPLATES  # noqa: E402
+from report import table  # noqa: E402
+from serve_inprocess import inprocess_ttft_ms  # noqa: E402
+from serve_report import phase_rows, summary_rows, target_rows  # noqa: E402
 from server_process import ServerProcess, free_port  # noqa: E402
 
 
@@ -57,11 +64,9 @@ def radixcache_command(model_dir, port: int) -> list[str]:
             "--log-level", "warning"]
 
 
-SERVERS = {"transformers": transformers_command, "transformers-cb": transformers_cb_command,
-           "radixcache": radixcache_command}
-# The radixcache row plugs in here: add "radixcache" (first) once `radixcache serve` runs on the
-# always-on engine; until then its /health answers 503 and the benchmark reports it as not ready.
-DEFAULT_SERVERS = ("transformers", "transformers-cb")
+SERVERS = {"radixcache": radixcache_command, "transformers": transformers_command,
+           "transformers-cb": transformers_cb_command}
+DEFAULT_SERVERS = tuple(SERVERS)
 
 
 @dataclass
@@ -101,12 +106,12 @@ class Phase:
 class Workload:
     """The demo's agent: prompts rendered client-side only to count tokens and the ideal hit."""
 
-    def __init__(self, tokenizer, system_tokens: int):
+    def __init__(self, tokenizer, system_tokens: int, template: str | None = None):
         from radixcache.demo import build_system_prompt
         from radixcache.integrations.serve.chat_template import ChatRenderer
 
         self.system, self.tools = build_system_prompt(tokenizer, system_tokens)
-        self.renderer = ChatRenderer(tokenizer)
+        self.renderer = ChatRenderer(tokenizer, template)
 
     def request(self, session: int, turn: int) -> tuple[str, str]:
         from radixcache.demo import script_step
@@ -161,7 +166,7 @@ async def run_session(client, model: str, work: Workload, session: int, turns: i
             call.done = time.perf_counter()
         messages.append({"role": "assistant", "content": call.reply})
         previous = work.history(messages)
-        messages.append({"role": "tool", "content": result})
+        messages.append({"role": "tool", "tool_call_id": f"call_{turn + 1}", "content": result})
 
 
 async def run_phase(server: ServerProcess, work: Workload, sessions: int, turns: int, max_tokens: int,
@@ -196,43 +201,17 @@ async def warm_up(server: ServerProcess) -> None:
                                              messages=[{"role": "user", "content": "Hello"}])
 
 
-# ---------------------------------------------------------------------- report
-def p95(values):
-    values = [v for v in values if v is not None]
-    if len(values) < 2:
-        return values[0] if values else None
-    return statistics.quantiles(values, n=20, method="inclusive")[18]
-
-
-def phase_rows(phase: Phase) -> list[tuple]:
-    rows = []
-    for turn in sorted({c.turn for c in phase.calls}):
-        calls = [c for c in phase.calls if c.turn == turn and c.ok]
-        if not calls:
-            continue
-        span = max(c.done for c in calls) - min(c.started for c in calls)
-        tokens = sum(c.completion_tokens for c in calls)
-        ttft = [c.ttft_s * 1e3 if c.ttft_s is not None else None for c in calls]
-        cached = [c.cached_tokens for c in calls]
-        ideal = median([c.ideal_cached for c in calls])
-        hit = median(cached) if all(v is not None for v in cached) else None
-        share = None if hit is None or not ideal else hit / ideal
-        rows.append((phase.server, str(phase.sessions), str(turn), fmt(median([c.prompt_tokens for c in calls]), ",.0f"),
-                     fmt(median(ttft), ",.0f"), fmt(p95(ttft), ",.0f"), fmt(tokens / span if span else None, ".1f"),
-                     fmt(hit, ",.0f"), fmt(ideal, ",.0f"), fmt(share, ".0%")))
-    return rows
-
-
-def summary_rows(phases: list[Phase]) -> list[tuple]:
-    rows = []
-    for phase in phases:
-        ok = [c for c in phase.calls if c.ok]
-        later = [c.ttft_s * 1e3 for c in ok if c.turn > 1 and c.ttft_s is not None]
-        tokens = sum(c.completion_tokens for c in ok)
-        rows.append((phase.server, str(phase.sessions), str(len(ok)), fmt(median(later), ",.0f"),
-                     fmt(tokens / phase.wall_s if phase.wall_s else None, ".1f"), f"{phase.wall_s:.1f}",
-                     phase.note or "-"))
-    return rows
+def planned_runs(names, templates, sessions, template_dir: Path):
+    """``(label, command builder, template text or None, sessions)`` per server to start: each named
+    server, then radixcache once more per drifting template (its first session count only)."""
+    runs = [(name, SERVERS[name], None, sessions) for name in names]
+    if "radixcache" in names:
+        for name in templates:
+            path = template_dir / f"{name}.jinja"
+            path.write_text(TEMPLATES[name])
+            build = lambda model, port, path=path: radixcache_command(model, port) + ["--chat-template", str(path)]  # noqa: E731
+            runs.append((f"radixcache[{name}]", build, TEMPLATES[name], sessions[:1]))
+    return runs
 
 
 def main(argv=None) -> int:
@@ -240,6 +219,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", metavar="DIR", default=None, help="local model directory (default: SmolLM2)")
     parser.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
                         help=f"comma-separated, from {', '.join(SERVERS)} (default {','.join(DEFAULT_SERVERS)})")
+    parser.add_argument("--templates", default=",".join(TEMPLATES),
+                        help=f"drifting chat templates radixcache also runs with, from {', '.join(TEMPLATES)} "
+                             "('' for none; default all)")
     parser.add_argument("--sessions", type=int, nargs="+", default=None, help="concurrent sessions (default 1 8)")
     parser.add_argument("--turns", type=int, default=None, help="turns per session (default 6, quick 3)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per reply (default 24, quick 16)")
@@ -248,6 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds per phase after which no turn starts; calls still running at twice that "
                              "are cut off (default 1800, quick 90)")
+    parser.add_argument("--no-inprocess", action="store_true", help="skip the in-process generate reference")
     parser.add_argument("--startup-timeout", type=float, default=180.0)
     parser.add_argument("--json", metavar="PATH", help="also write every call to PATH as JSON")
     args = parser.parse_args(argv)
@@ -256,32 +239,43 @@ def main(argv=None) -> int:
     sessions = args.sessions or [1, 8]
     budget = args.budget or (90.0 if args.quick else 1800.0)
     names = [s for s in args.servers.split(",") if s]
-    unknown = [s for s in names if s not in SERVERS]
+    templates = [t for t in args.templates.split(",") if t]
+    unknown = [s for s in names if s not in SERVERS] + [t for t in templates if t not in TEMPLATES]
     if unknown or min(sessions) < 1 or turns < 1 or max_tokens < 1:
-        parser.error(f"unknown server(s) {unknown}" if unknown else "sessions, turns and max tokens must be >= 1")
+        parser.error(f"unknown server(s) or template(s) {unknown}" if unknown
+                     else "sessions, turns and max tokens must be >= 1")
 
     from transformers import AutoTokenizer
 
     from radixcache.models import default_model_dir
 
     model_dir = Path(args.model) if args.model else default_model_dir()
-    work = Workload(AutoTokenizer.from_pretrained(model_dir, local_files_only=True), args.system_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    work = Workload(tokenizer, args.system_tokens)
     print(f"radixcache serve benchmark: {model_dir.name}, {turns} turns, sessions {sessions}, "
-          f"{max_tokens} new tokens, system prompt with {work.tools} tools; servers: {', '.join(names)}")
+          f"{max_tokens} new tokens, system prompt with {work.tools} tools; servers: {', '.join(names)}; "
+          f"drifting templates: {', '.join(templates) if 'radixcache' in names and templates else 'none'}")
     phases, failures = [], []
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as logs:
-        for name in names:
+        for label, build, template, counts in planned_runs(names, templates, sessions, Path(logs)):
+            run_work = work if template is None else Workload(tokenizer, args.system_tokens, template)
             try:
-                server = ServerProcess(name, SERVERS[name](model_dir, free_port()), Path(logs), args.startup_timeout)
+                server = ServerProcess(label, build(model_dir, free_port()), Path(logs), args.startup_timeout)
             except RuntimeError as exc:
-                failures.append(f"{name}: {exc}")
+                failures.append(f"{label}: {exc}")
                 continue
             try:
                 asyncio.run(warm_up(server))
-                for n in sessions:
-                    phases.append(asyncio.run(run_phase(server, work, n, turns, max_tokens, budget)))
+                for n in counts:
+                    phases.append(asyncio.run(run_phase(server, run_work, n, turns, max_tokens, budget)))
             finally:
                 server.stop()
+            if any(c.error for p in phases if p.server == label for c in p.calls):
+                print(f"{label} failed calls; the end of its log:\n{server.tail(2000)}", file=sys.stderr)
+    inprocess = None
+    if "radixcache" in names and not args.no_inprocess:
+        inprocess = inprocess_ttft_ms(model_dir, work, turns, max_tokens)
+    inprocess_ms = inprocess.ttft_ms if inprocess else None
     header = ("server", "sessions", "turn", "prompt tok", "TTFT p50 ms", "TTFT p95 ms", "out tok/s",
               "cached tok", "ideal tok", "cached/ideal")
     print(table(header, [row for phase in phases for row in phase_rows(phase)], left=(0,)))
@@ -291,11 +285,18 @@ def main(argv=None) -> int:
     print("TTFT: request sent to the first content chunk (streamed, greedy). out tok/s: completion tokens "
           "over the wall time. cached: usage.prompt_tokens_details.cached_tokens ('-': not reported); "
           "ideal: prompt tokens repeating the session's previous turn token for token.")
+    if inprocess_ms is not None:
+        print(f"in-process lm.generate TTFT, turns 2+ (one session, history precomputed): {inprocess_ms:,.0f} ms; "
+              f"cached tokens per turn: {', '.join(f'{c:,}' for c in inprocess.cached)}")
+    print()
+    print(table(("target", "measured", "goal", "met"), target_rows(phases, inprocess_ms), left=(0,)))
     errors = [c.error for p in phases for c in p.calls if c.error]
     for line in failures + errors[:5]:
         print(f"FAILED {line}", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps({"phases": [asdict(p) for p in phases], "failures": failures},
+        Path(args.json).write_text(json.dumps({"phases": [asdict(p) for p in phases], "failures": failures,
+                                               "inprocess_ttft_ms": inprocess_ms,
+                                               "inprocess_cached": inprocess.cached if inprocess else None},
                                               indent=1) + "\n")
     return 1 if failures or errors else 0
 

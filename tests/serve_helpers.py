@@ -1,9 +1,8 @@
 """Shared pieces of the server tests: the embedded tokenizer, chat templates, a live uvicorn server.
 
-Templates (written here, nothing downloaded):
-- ``DRIFT_GENERATION_THINK``: ChatML that puts an empty ``<think></think>`` into the generation
-  prompt only (past assistant turns are written without it), as Qwen3-style templates do;
-- ``DRIFT_STRIP_THINK``: ChatML that strips ``<think>...</think>`` from past assistant turns;
+Templates (nothing downloaded): the two drifting ones, ``DRIFT_GENERATION_THINK`` and
+``DRIFT_STRIP_THINK``, live in ``benchmarks/drift_templates.py`` (the serve benchmark runs them too)
+and are re-exported here;
 - ``TOOLS_TEMPLATE``: ChatML with its own tools support (reads ``tools`` and ``tool_calls``, writes
   calls as ``<tool_call>`` blocks with the arguments through ``tojson``).
 """
@@ -11,25 +10,14 @@ Templates (written here, nothing downloaded):
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from functools import lru_cache
+from pathlib import Path
 
-DRIFT_GENERATION_THINK = (
-    "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}{%- endif %}")
-
-DRIFT_STRIP_THINK = (
-    "{%- for message in messages %}"
-    "{%- set content = message['content'] %}"
-    "{%- if message['role'] == 'assistant' and '</think>' in content %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}"
-    "{%- endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}")
+sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from drift_templates import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK  # noqa: E402,F401 (re-exported)
 
 TOOLS_TEMPLATE = (
     "{%- if tools %}"
@@ -80,8 +68,10 @@ def tokenizer_with_template(template: str | None):
     return tokenizer
 
 
-def write_model_dir(path, max_positions: int = 512, chat_template: str | None = None):
-    """A model directory the server can read (tokenizer, config, generation config; no weights)."""
+def write_model_dir(path, max_positions: int = 512, chat_template: str | None = None, weights: bool = False):
+    """A model directory the server can read (tokenizer, config, generation config); with
+    ``weights``, also a tiny random Llama (seed 0) saved with ``save_pretrained``."""
+    import torch
     import transformers as tf
 
     tokenizer = tokenizer_with_template(chat_template) if chat_template else embedded_tokenizer()
@@ -91,6 +81,9 @@ def write_model_dir(path, max_positions: int = 512, chat_template: str | None = 
                             max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2)
     config.save_pretrained(path)
     tf.GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(path)
+    if weights:
+        torch.manual_seed(0)
+        tf.LlamaForCausalLM(config).eval().save_pretrained(path)
     return path
 
 
@@ -126,3 +119,124 @@ class LiveServer:
         self.thread.join(timeout=30)
         self.sock.close()
         assert not self.thread.is_alive(), "the test server did not stop"
+
+
+def scripted_llama_class():
+    """``ScriptedLlama``: a ``LlamaForCausalLM`` that can be told what to say (built lazily, so
+    importing these helpers imports no transformers)."""
+    import transformers as tf
+
+    class ScriptedLlama(tf.LlamaForCausalLM):
+        """A tiny random Llama whose ``script`` (position -> token id) forces the token predicted
+        after those positions (a large bias on that logit), so a test can make it emit a tool call
+        or a reasoning block; at every other position its own random logits decide. The K/V it
+        computes are the model's own either way, so the cache is tested as with any model."""
+
+        script: dict = {}
+
+        def forward(self, input_ids=None, position_ids=None, logits_to_keep=0, **kwargs):
+            out = super().forward(input_ids=input_ids, position_ids=position_ids,
+                                  logits_to_keep=logits_to_keep, **kwargs)
+            if self.script and position_ids is not None:
+                positions = position_ids[0]
+                if isinstance(logits_to_keep, int):
+                    positions = positions[-logits_to_keep:] if logits_to_keep else positions
+                else:
+                    positions = positions[logits_to_keep]
+                for row, position in enumerate(positions.tolist()):
+                    token = self.script.get(position)
+                    if token is not None:
+                        out.logits[0, row, token] += 1e4
+            return out
+
+    return ScriptedLlama
+
+
+class Served:
+    """A live server over a real engine: ``ScriptedLlama`` weights from ``model_dir`` wrapped by
+    radixcache, the ``LocalEngine`` on it, the app under uvicorn on a free loopback port.
+
+    ``options`` are ``ServeOptions`` fields; ``lm_options`` go to ``radixcache.wrap``;
+    ``engine_options`` to ``LocalEngine``. ``quiet()`` waits until the engine holds nothing (the
+    history precomputes included); ``assert_clean()`` then checks that no block or lock leaked.
+    """
+
+    def __init__(self, model_dir, lm_options=None, engine_options=None, **options):
+        import radixcache
+        from radixcache.integrations.serve.app import create_app
+        from radixcache.integrations.serve.local_engine import LocalEngine
+        from radixcache.integrations.serve.options import ServeOptions
+        from radixcache.integrations.serve.server import build_state
+
+        self.model = scripted_llama_class().from_pretrained(model_dir).eval()
+        self.model.script = {}
+        self.lm = radixcache.wrap(self.model, **{"block_size": 16, "max_cache_tokens": 8192,
+                                                 **(lm_options or {})})
+        self.options = ServeOptions(model=model_dir, **options)
+        self.state = build_state(self.options)
+        self.engine = LocalEngine(self.lm, self.lm.new_engine(max_running=self.options.max_running),
+                                  **(engine_options or {}))
+        self.state.attach_engine(self.engine)
+        self.live = LiveServer(create_app(self.state))
+        self.base_url = self.live.base_url
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=kwargs.pop("api_key", "none"),
+                             max_retries=0, timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def render(self, messages, tools=None) -> tuple:
+        """The prompt ids the server makes of ``messages`` (its own renderer)."""
+        return self.state.renderer.render(messages, tools).token_ids
+
+    def say(self, messages, text: str, tools=None, eos: bool = True) -> None:
+        """Make the next reply to ``messages`` be ``text`` (then EOS), greedy."""
+        prompt = self.render(messages, tools)
+        ids = list(self.state.tokenizer(text, add_special_tokens=False)["input_ids"]) + ([2] if eos else [])
+        self.model.script = {len(prompt) - 1 + i: t for i, t in enumerate(ids)}
+
+    def plain_greedy_text(self, prompt, max_new: int) -> str:
+        """The text of ``model.generate`` (plain transformers, greedy, the server's stop ids) on
+        ``prompt``, decoded as the server decodes a reply."""
+        import torch
+
+        stops = self.state.info.stop_token_ids
+        ids = torch.tensor([list(prompt)])
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                      do_sample=False, eos_token_id=sorted(stops), pad_token_id=0)
+        generated = [t for t in out[0, len(prompt):].tolist() if t not in stops]
+        return self.state.tokenizer.decode(generated, skip_special_tokens=True)
+
+    def metrics(self) -> str:
+        import httpx
+
+        return httpx.get(self.base_url + "/metrics", timeout=30).text
+
+    def quiet(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.engine.open_requests or self.engine.engine.has_work:
+            assert time.monotonic() < deadline, "the engine did not become idle"
+            time.sleep(0.01)
+
+    def assert_clean(self) -> None:
+        self.quiet()
+        assert self.lm.cache.leaks() == [] and self.lm.cache.pinned_blocks == 0
+        self.lm.manager.check()
+        assert self.lm.stats()["running"] == 0
+
+    def stop(self) -> None:
+        self.live.stop()
+        self.assert_clean()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of sample ``radixcache:NAME{labels}`` in a Prometheus text (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "radixcache:" + name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

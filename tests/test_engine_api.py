@@ -152,6 +152,24 @@ def test_a_request_waiting_on_a_prefill_promotes_it_and_shares_its_blocks(model)
     assert tokens_of(events, "turn") == plain_continuation(model, turn, 2)
 
 
+def test_a_request_queued_behind_a_waiting_prefill_waits_for_it(model):
+    """A prefill-only request and, before any step, a normal request that extends its prompt: the
+    prefill-only one is promoted and admitted first, the normal one waits for it and counts its
+    whole prompt as cached; nothing is computed twice."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=4096)
+    engine = lm.new_engine(max_step_tokens=16)
+    history = random_ids(45, 12)[0].tolist()
+    turn = history + random_ids(7, 13)[0].tolist()
+    engine.add(Request("pre", history, prefill_only=True))
+    engine.add(Request("turn", turn, SamplingParams(max_new_tokens=2)))
+    events = drain(engine)
+    order = [(e.request_id, e.finished) for e in events if e.finished]
+    assert order == [("pre", True), ("turn", True)]
+    assert next(e for e in events if e.request_id == "turn").cached_tokens == 45
+    assert lm.stats()["computed_prompt_tokens"] == len(turn)
+    assert tokens_of(events, "turn") == plain_continuation(model, turn, 2)
+
+
 def test_add_rejects_bad_requests_without_changes(model):
     """Duplicate ids, out-of-vocabulary ids and prompts larger than the pool raise at add()."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=64)

@@ -1,5 +1,6 @@
 """benchmarks/serve.py end to end, bounded: both ``transformers serve`` baselines on a tiny model with
-the embedded tokenizer, through the real ``openai`` client; and the radixcache row's plug point."""
+the embedded tokenizer, through the real ``openai`` client; and the radixcache rows with the in-process
+reference and the targets table."""
 
 import importlib.util
 import json
@@ -35,7 +36,8 @@ def test_quick_run_against_both_transformers_servers(tmp_path, capsys):
     bench = load_bench()
     model = tiny_model_dir(tmp_path / "tiny-llama")
     out = tmp_path / "serve.json"
-    code = bench.main(["--model", str(model), "--quick", "--turns", "2", "--sessions", "1", "2",
+    code = bench.main(["--model", str(model), "--servers", "transformers,transformers-cb", "--quick",
+                       "--turns", "2", "--sessions", "1", "2",
                        "--max-tokens", "3", "--system-tokens", "80", "--budget", "120", "--json", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
@@ -58,11 +60,29 @@ def test_quick_run_against_both_transformers_servers(tmp_path, capsys):
     assert first["prompt_tokens"] > len(tok("[session 1]", add_special_tokens=False)["input_ids"])
 
 
-def test_radixcache_row_reports_it_is_not_ready_yet(tmp_path, capsys):
+def test_quick_radixcache_rows_in_process_reference_and_targets(tmp_path, capsys):
+    """The radixcache row, once more with a drifting template, the in-process reference and the
+    targets table; every later turn's cached tokens cover its ideal (history precomputed)."""
     bench = load_bench()
-    assert "radixcache" in bench.SERVERS and "radixcache" not in bench.DEFAULT_SERVERS
-    model = write_model_dir(tmp_path / "tiny")
-    code = bench.main(["--model", str(model), "--servers", "radixcache", "--turns", "1", "--sessions", "1",
-                       "--system-tokens", "40", "--startup-timeout", "90"])
-    err = capsys.readouterr().err
-    assert code == 1 and "radixcache: radixcache not ready" in err and "no generation engine" in err
+    assert bench.DEFAULT_SERVERS[0] == "radixcache"
+    model = tiny_model_dir(tmp_path / "tiny-llama")
+    out = tmp_path / "serve.json"
+    code = bench.main(["--model", str(model), "--servers", "radixcache", "--templates", "generation_think",
+                       "--quick", "--turns", "3", "--sessions", "1", "2", "--max-tokens", "4",
+                       "--system-tokens", "80", "--budget", "120", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads(out.read_text())
+    assert [(p["server"], p["sessions"]) for p in result["phases"]] == [
+        ("radixcache", 1), ("radixcache", 2), ("radixcache[generation_think]", 1)]
+    for phase in result["phases"]:
+        for call in phase["calls"]:
+            assert call["error"] is None and not call["cut_off"]
+            assert call["cached_tokens"] >= (call["ideal_cached"] // 16 * 16 if call["turn"] > 1 else 0)
+            assert call["turn"] == 1 or call["ideal_cached"] > 0
+    assert result["inprocess_ttft_ms"] > 0 and "in-process lm.generate TTFT" in printed
+    first, *later = result["inprocess_cached"]
+    assert first == 0 and all(c > 0 for c in later)  # the in-process reference hits its cache too
+    targets = printed[printed.index("target "):]
+    for words in ("vs transformers-cb", "vs in-process generate", "output tok/s", "radixcache[generation_think]"):
+        assert words in targets

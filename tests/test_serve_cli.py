@@ -36,10 +36,11 @@ def test_options_are_read_and_checked(tmp_path, monkeypatch):
                                            "--block-size", "32", "--chat-template", str(template),
                                            "--served-model-name", "a", "b", "--api-key", "k1", "--api-key", "k2",
                                            "--isolate-cache-by-key", "--max-running", "8", "--max-queue", "100",
-                                           "--no-history-precompute"))
+                                           "--no-history-precompute", "--store", "redis://127.0.0.1:6390/2"))
     assert options.chat_template == DRIFT_GENERATION_THINK and options.api_keys == ("k1", "k2")
     assert options.served_model_names == ("a", "b") and options.max_in_flight == 108
     assert not options.history_precompute and options.isolate_cache_by_key
+    assert options.store == "redis://127.0.0.1:6390/2" and ServeOptions.from_args(parse()).store is None
     state = build_state(options)
     assert state.renderer.template == DRIFT_GENERATION_THINK  # --chat-template replaces the tokenizer's
     assert state.model_names == ("a", "b") and state.limits == (512, 4096, 32)
@@ -47,7 +48,7 @@ def test_options_are_read_and_checked(tmp_path, monkeypatch):
     assert ServeOptions.from_args(parse()).api_keys == ("from-env",)
     bad = [(["--model", str(tmp_path)], "no config.json"), (["--chat-template", str(tmp_path / "none")], "chat-template"),
            (["--isolate-cache-by-key"], "needs at least one --api-key"), (["--api-key", " "], "must not be empty"),
-           (["--max-cache-tokens", "8"], "smaller than one block")]
+           (["--max-cache-tokens", "8"], "smaller than one block"), (["--store", "127.0.0.1:6379"], "redis://")]
     monkeypatch.delenv("RADIXCACHE_API_KEY")
     for argv, words in bad:
         with pytest.raises(ValueError, match=words):
@@ -58,25 +59,33 @@ def test_options_are_read_and_checked(tmp_path, monkeypatch):
 
 
 def test_radixcache_serve_runs_and_stops_on_ctrl_c(tmp_path):
-    model = write_model_dir(tmp_path / "tiny")
+    """The real command: loads the weights, answers a chat completion, stops cleanly on Ctrl-C."""
+    import openai
+
+    model = write_model_dir(tmp_path / "tiny", weights=True)
     with free_socket() as sock:
         port = sock.getsockname()[1]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(model),
-                             "--port", str(port), "--log-level", "warning"],
+                             "--port", str(port), "--max-cache-tokens", "4096", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 90
         while True:
             assert proc.poll() is None, proc.communicate()[0]
             try:
-                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
                 break
             except httpx.HTTPError:
                 assert time.monotonic() < deadline, "radixcache serve did not start"
                 time.sleep(0.3)
+        assert health.status_code == 200
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
         assert models.json()["data"][0]["id"] == "tiny"
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as client:
+            reply = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0,
+                                                   messages=[{"role": "user", "content": "Hello"}])
+        assert reply.usage.completion_tokens >= 1 and reply.usage.prompt_tokens_details.cached_tokens == 0
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=30)
     finally:
@@ -84,7 +93,7 @@ def test_radixcache_serve_runs_and_stops_on_ctrl_c(tmp_path):
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, output
-    assert "no generation engine" in output
+    assert "Traceback" not in output, output
 
 
 def test_bad_options_exit_with_a_message(tmp_path):

@@ -152,6 +152,9 @@ def test_classify_hit():
     assert classify_hit(history, departs, cached_tokens=96, block_size=16) is None  # hit anyway (other cache)
     assert classify_hit(history, history[:50], cached_tokens=48, block_size=16) is None  # prompt[:-1] is the cap
     assert classify_hit(history, history[:50], cached_tokens=32, block_size=16) == (H.EVICTED, 48, 32)
+    # only 40 tokens of the history form were computed and nothing precomputed the rest
+    assert classify_hit(history, following, 32, 16, computed=40) == (H.NOT_PRECOMPUTED, 96, 32)
+    assert classify_hit(history, following, 32, 16, computed=99) == (H.EVICTED, 96, 32)
 
 
 def test_history_index_finds_the_previous_turn_per_salt():
@@ -161,6 +164,8 @@ def test_history_index_finds_the_previous_turn_per_salt():
     index.remember(b)
     index.remember(a, salt="tenant")
     index.remember((1, 2))  # shorter than min_shared: not kept
+    index.remember(b, computed=12)
+    assert index.computed(b) == 12 and index.computed(a) is None and index.computed(a + (1,)) is None
     assert len(index) == 3
     assert index.previous(a + (7, 8)) == a
     assert index.previous(b + (7,)) == b

@@ -138,7 +138,7 @@ def _job(state, kind: str, req, model: str, prompt_ids, key, **chat) -> Job:
                             top_p=req.effective_top_p, n=req.n, seed=req.seed,
                             stop_token_ids=state.info.stop_token_ids)
     return Job(kind, model, tuple(prompt_ids), params, req.stop_strings, req.stream, req.include_usage,
-               tenant_salt(key, state.options.isolate_cache_by_key), **chat)
+               tenant_salt(key, state.options.isolate_cache_by_key), retain_s=req.retain_s, **chat)
 
 
 async def _respond(state, job: Job, request: Request):

@@ -34,7 +34,9 @@ request (client disconnect): its blocks are released at once (whole computed blo
 tree), the stream yields the final "abort" events. It is idempotent and a no-op for unknown or
 finished requests. After ``abort`` the server may stop reading the stream (a client that went away):
 the engine must never wait on a reader, and drops the events nobody reads. ``counts()`` is a cheap snapshot for ``/metrics``; ``limits()`` is constant.
-``close()`` aborts everything and stops the scheduler thread.
+``close()`` aborts everything and stops the scheduler thread. An engine with a shared store may
+also offer ``store_stats() -> dict`` (its ``radixcache.store.STORE_COUNTERS``), exported in
+``/metrics``.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ class EngineRequest:
     """One unit of work: ``prompt`` token ids, sampling, tenant salt (namespace), priority.
 
     ``prefill_only``: compute the K/V of every whole block of ``prompt`` that is not cached into the
-    tree and generate nothing (``params.max_new_tokens`` is ignored).
+    tree and generate nothing (``params.max_new_tokens`` is ignored). ``retain_s``: a hint that the
+    conversation comes back within that many seconds: when the request ends, what it computed is
+    evicted only after prefixes without a live hint (it never changes a token).
     """
 
     request_id: str
@@ -82,6 +86,7 @@ class EngineRequest:
     cache_salt: str | None = None
     priority: Priority = Priority.NORMAL
     prefill_only: bool = False
+    retain_s: float | None = None
 
 
 class TokenEvent(NamedTuple):

@@ -45,6 +45,7 @@ class Job:
     messages: list | None = None  # chat: the request's messages as OpenAI dicts
     tools: list | None = None  # chat: the request's tools as OpenAI dicts
     parse_tools: bool = False
+    retain_s: float | None = None  # prompt_cache_key / prompt_cache_retention as seconds
     arrival: float = field(default_factory=time.perf_counter)
 
 
@@ -106,7 +107,8 @@ class Generation:
 
     def start(self) -> None:
         """Submit to the engine; raises ``APIError`` (400 / 503) when the engine refuses."""
-        request = EngineRequest(self.request_id, self.job.prompt_ids, self.job.params, self.job.salt)
+        job = self.job
+        request = EngineRequest(self.request_id, job.prompt_ids, job.params, job.salt, retain_s=job.retain_s)
         try:
             self._stream = self.state.engine.submit(request)
         except EngineOverloaded as exc:
@@ -176,7 +178,9 @@ class Generation:
         self.state.metrics.observe_admitted(len(self.job.prompt_ids), cached_tokens)
         if self.previous is None:
             return
-        short = classify_hit(self.previous, self.job.prompt_ids, cached_tokens, self.state.limits.block_size)
+        computed = self.state.histories.computed(self.previous, self.job.salt)
+        short = classify_hit(self.previous, self.job.prompt_ids, cached_tokens, self.state.limits.block_size,
+                             computed)
         if short is not None:
             self.state.metrics.observe_short_hit(short.reason, short.expected_tokens - short.cached_tokens)
             logger.info("request %s: cache hit of %d tokens stopped short of the previous turn's %d (%s)",
@@ -196,11 +200,11 @@ class Generation:
         except ValueError as exc:  # the template cannot render its own reply: nothing to precompute
             logger.warning("request %s: no history form (%s)", self.request_id, exc)
             return
-        self.state.histories.remember(history.token_ids, job.salt)
         if history.divergence is not None:
             self.state.metrics.observe_divergence(history.divergence.reason)
             logger.info("request %s: history form departs from the computed tokens at token %d (%s): %s",
                         self.request_id, history.divergence.token_index, history.divergence.reason,
                         history.divergence.detail)
-        if history.blocks_to_compute(self.state.limits.block_size) > 0:
-            self.state.precompute(history.token_ids, job.salt)
+        precomputed = history.blocks_to_compute(self.state.limits.block_size) == 0 or \
+            self.state.precompute(history.token_ids, job.salt, job.retain_s)
+        self.state.histories.remember(history.token_ids, job.salt, None if precomputed else history.computed)

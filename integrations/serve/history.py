@@ -34,6 +34,8 @@ REPLY = "reply"  # the reply's text is otherwise written differently
 # Reasons a cache hit stops short of the previous turn's history form.
 HISTORY_MISMATCH = "history_mismatch"  # the request does not continue the previous history form
 EVICTED = "evicted"  # it does, but fewer of those tokens were still cached
+NOT_PRECOMPUTED = "not_precomputed"  # it does, but the history form past the computed tokens was never
+# computed (the precompute is off, was refused, or had not finished when the hit was taken)
 
 # Next-message contents that differ at their first character, and start with the kinds of characters
 # a tokenizer may merge with what comes before them (a letter, a digit, space, newline, punctuation).
@@ -152,7 +154,8 @@ class ShortHit(NamedTuple):
     cached_tokens: int
 
 
-def classify_hit(history_ids, prompt_ids, cached_tokens: int, block_size: int) -> ShortHit | None:
+def classify_hit(history_ids, prompt_ids, cached_tokens: int, block_size: int,
+                 computed: int | None = None) -> ShortHit | None:
     """Whether a request's ``cached_tokens`` reached the previous turn's history form ``history_ids``.
 
     The engine can reuse at most the whole blocks of ``prompt_ids[:-1]`` (one token is always
@@ -160,7 +163,9 @@ def classify_hit(history_ids, prompt_ids, cached_tokens: int, block_size: int) -
     that the prompt repeats. Returns None when the hit reached that, else ``ShortHit`` with reason
     ``history_mismatch`` (the prompt departs from the history form before its end: the template
     renders the past differently once more follows, or the client changed earlier messages) or
-    ``evicted`` (the prompt continues it, but those blocks were no longer all cached).
+    ``evicted`` (the prompt continues it, but those blocks were no longer all cached) or, when
+    only the first ``computed`` tokens of the history form were ever computed (no precompute ran
+    for the rest) and the expected hit lies beyond them, ``not_precomputed``.
     """
     shared = common_prefix(history_ids, prompt_ids)
     expected = min(shared, len(prompt_ids) - 1) // block_size * block_size
@@ -169,34 +174,37 @@ def classify_hit(history_ids, prompt_ids, cached_tokens: int, block_size: int) -
         if cached_tokens < full:
             return ShortHit(HISTORY_MISMATCH, full, cached_tokens)
     if cached_tokens < expected:
-        return ShortHit(EVICTED, expected, cached_tokens)
+        never = computed is not None and computed // block_size * block_size < expected
+        return ShortHit(NOT_PRECOMPUTED if never else EVICTED, expected, cached_tokens)
     return None
 
 
 class HistoryIndex:
     """The most recent history forms (at most ``capacity``), found again by the next turn's prompt.
 
-    ``remember(ids, salt)`` stores a history form under its tenant salt; ``previous(prompt, salt)``
-    returns the stored one sharing the longest prefix with ``prompt`` (at least ``min_shared``
-    tokens), or None. Entries are keyed by their first ``min_shared`` tokens, so a lookup compares
+    ``remember(ids, salt, computed)`` stores a history form under its tenant salt (``computed``: how
+    many of its leading tokens were computed, when no precompute covers the rest; None: all of
+    them); ``previous(prompt, salt)`` returns the stored one sharing the longest prefix with
+    ``prompt`` (at least ``min_shared`` tokens), or None; ``computed(ids, salt)`` what was given
+    for it. Entries are keyed by their first ``min_shared`` tokens, so a lookup compares
     only conversations that start alike; the least recently stored go first.
     """
 
     def __init__(self, capacity: int = 1024, min_shared: int = 16):
         self.capacity = capacity
         self.min_shared = min_shared
-        self._entries: OrderedDict = OrderedDict()  # (salt, head, ids) -> None, oldest first
+        self._entries: OrderedDict = OrderedDict()  # (salt, head, ids) -> computed, oldest first
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def remember(self, history_ids, salt: str | None = None) -> None:
+    def remember(self, history_ids, salt: str | None = None, computed: int | None = None) -> None:
         ids = tuple(history_ids)
         if len(ids) < self.min_shared:
             return
         key = (salt, ids[:self.min_shared], ids)
         self._entries.pop(key, None)
-        self._entries[key] = None
+        self._entries[key] = computed
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
@@ -209,3 +217,8 @@ class HistoryIndex:
                 if shared > best_len:
                     best, best_len = ids, shared
         return best
+
+    def computed(self, history_ids, salt: str | None = None) -> int | None:
+        """The ``computed`` remembered with ``history_ids`` (None: all of it, or not stored)."""
+        ids = tuple(history_ids)
+        return self._entries.get((salt, ids[:self.min_shared], ids))

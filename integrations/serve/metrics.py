@@ -14,12 +14,16 @@ Names follow vLLM's where one exists, with the ``radixcache:`` prefix:
   requests whose hit stopped before the previous turn's history form, and the tokens that cost
   (reasons from ``history.classify_hit``);
 - ``history_divergence_total{reason}``: replies whose history form departs from the computed
-  tokens (reasons from ``history.history_after_reply``), and ``history_precompute_tokens_total``.
+  tokens (reasons from ``history.history_after_reply``), and ``history_precompute_tokens_total``;
+- with a shared store, its counters as ``store_hit_tokens_total``, ``store_miss_blocks_total``,
+  ``store_written_blocks_total``, ``store_dropped_blocks_total``, ``store_bytes_read_total``,
+  ``store_bytes_written_total``, ``store_errors_total``, ... (read at scrape time).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 PREFIX = "radixcache:"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -29,11 +33,26 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
 
 
+class _StoreCounters:
+    """A collector that reads the store's counters from ``source()`` (a dict) at each scrape."""
+
+    def __init__(self):
+        self.source = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for name, value in sorted((self.source() if self.source is not None else {}).items()):
+            yield CounterMetricFamily(PREFIX + name, f"Shared store: {name.removeprefix('store_')}.",
+                                      value=float(value))
+
+
 class ServerMetrics:
     """Counters, gauges and histograms of one server; ``render()`` is the ``/metrics`` body.
 
-    ``attach(counts)`` makes the gauges read ``counts()`` (an ``EngineCounts``) at every scrape;
-    without it they read 0.
+    ``attach(counts, store)`` makes the gauges read ``counts()`` (an ``EngineCounts``) and the
+    store counters ``store()`` (a dict) at every scrape; without them they read 0 / are absent.
     """
 
     def __init__(self):
@@ -69,10 +88,14 @@ class ServerMetrics:
                                   ["reason"], registry=r)
         self.precompute_tokens = Counter(PREFIX + "history_precompute_tokens",
                                          "Tokens of history forms submitted for low-priority prefill.", registry=r)
+        self._store = _StoreCounters()
+        r.register(self._store)
         self.attach(None)
 
-    def attach(self, counts) -> None:
-        """Read running/waiting/pool usage from ``counts()`` at each scrape (None: report 0)."""
+    def attach(self, counts, store=None) -> None:
+        """Read running/waiting/pool usage from ``counts()`` (None: report 0) and the store's
+        counters from ``store()`` (None: none) at each scrape."""
+        self._store.source = store
         def read(pick):
             def value():
                 c = counts() if counts is not None else None

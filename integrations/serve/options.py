@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"requests in the running batch at most (default {DEFAULT_MAX_RUNNING})")
     parser.add_argument("--max-queue", type=positive_int, metavar="N", default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting beyond those, before 429 (default {DEFAULT_MAX_QUEUE})")
+    parser.add_argument("--store", metavar="URL", default=None,
+                        help="a shared KV tier: redis://[user:password@]host:port/db (or rediss://, unix://); "
+                             "replicas on one store share their prefixes")
     parser.add_argument("--no-history-precompute", action="store_true",
                         help="do not compute each reply's history form into the cache after it finishes")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -72,6 +75,7 @@ class ServeOptions:
     max_running: int = DEFAULT_MAX_RUNNING
     max_queue: int = DEFAULT_MAX_QUEUE
     history_precompute: bool = True
+    store: str | None = None  # the --store URL
     log_level: str = "info"
 
     @property
@@ -106,9 +110,12 @@ class ServeOptions:
         if args.max_cache_tokens is not None and args.max_cache_tokens < args.block_size:
             raise ValueError(f"--max-cache-tokens {args.max_cache_tokens} is smaller than one block "
                              f"(--block-size {args.block_size})")
+        store = getattr(args, "store", None)
+        if store is not None and not store.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--store {store}: expected a redis://, rediss:// or unix:// URL")
         return cls(model=model, host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
                    block_size=args.block_size, chat_template=template,
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
                    isolate_cache_by_key=args.isolate_cache_by_key, max_running=args.max_running,
                    max_queue=args.max_queue, history_precompute=not args.no_history_precompute,
-                   log_level=args.log_level)
+                   store=store, log_level=args.log_level)

@@ -7,9 +7,11 @@ dotted path, e.g. ``messages.2.role``). Numbers are strict: ``"3"`` is not a ``m
 What is honoured: every message role (system, developer, user, assistant with ``tool_calls`` and
 ``content: null``, tool), ``tools`` / ``tool_choice``, ``stream`` and ``stream_options.include_usage``,
 ``n``, ``temperature`` (OpenAI's meaning: 0 is greedy, the default 1 samples), ``top_p``,
-``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``. ``prompt_cache_key`` and
-``prompt_cache_retention`` ("in_memory", "24h") are accepted and validated: the cache finds a
-prefix by its tokens alone and keeps blocks until LRU eviction needs them. Fields that would change
+``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``. The cache finds a prefix by its
+tokens alone; ``prompt_cache_key`` (a session) and ``prompt_cache_retention`` ("in_memory": a few
+minutes, "24h": a day; anything else is a 400) become a retention hint (``retain_s``): what the
+request computed is evicted only after prefixes without a live hint. A key without a retention means
+"in_memory", OpenAI's default. Fields that would change
 the output but are not implemented (``logprobs``, penalties, ``logit_bias``, a JSON
 ``response_format``, ``echo``, ``suffix``, ``best_of`` > 1) are refused with 400 rather than ignored;
 fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ...) and
@@ -29,6 +31,9 @@ MAX_N = 128
 MAX_STOP_SEQUENCES = 4
 
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+# prompt_cache_retention -> seconds a finished request's prefix is retained (OpenAI keeps "in_memory"
+# prefixes for 5-10 minutes of inactivity, "24h" ones for a day)
+RETENTION_SECONDS = {"in_memory": 300.0, "24h": 86400.0}
 
 
 class StreamOptions(APIModel):
@@ -46,6 +51,7 @@ class _Sampling(APIModel):
     stop: Any = None
     seed: Annotated[int, Field(strict=True)] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     user: str | None = None
     logprobs: Any = None
     presence_penalty: float | None = None
@@ -93,6 +99,13 @@ class _Sampling(APIModel):
         return 1.0 if self.top_p is None else float(self.top_p)
 
     @property
+    def retain_s(self) -> float | None:
+        """Seconds to retain this request's prefix (see the module docstring); None: no hint."""
+        if self.prompt_cache_retention is not None:
+            return RETENTION_SECONDS[self.prompt_cache_retention]
+        return RETENTION_SECONDS["in_memory"] if self.prompt_cache_key is not None else None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -105,7 +118,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     top_logprobs: int | None = None
     response_format: dict | None = None
 

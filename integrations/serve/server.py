@@ -2,10 +2,10 @@
 
 ``build_state(options, engine=None)`` loads what the server checks requests against (tokenizer,
 chat template, context length, vocabulary, stop ids; no weights) and returns a ``ServerState``;
-``main(args)`` runs it under uvicorn until interrupted. The engine is an ``EngineClient`` (see
-``engine_client.py``); this version of radixcache has no always-on engine yet, so ``main`` starts
-the server without one: ``/v1/models``, ``/metrics`` and every validation answer, ``/health`` and
-the generation endpoints answer 503.
+``load_engine(options, info)`` loads the weights, wraps them (``radixcache.wrap``) and returns the
+``LocalEngine`` (an ``EngineClient``, see ``engine_client.py``) over the wrapper's always-on engine;
+``main(args)`` runs both under uvicorn until interrupted, then closes the engine (and the wrapper,
+which flushes a store).
 """
 
 from __future__ import annotations
@@ -28,6 +28,31 @@ def build_state(options: ServeOptions, engine=None):
     return ServerState(options, tokenizer, info, engine)
 
 
+def load_engine(options: ServeOptions, info):
+    """The ``LocalEngine`` serving ``options.model`` (default: the embedded SmolLM2): float32 on CPU,
+    bfloat16 on CUDA; ``--max-cache-tokens``, ``--block-size``, ``--max-running`` and ``--store`` (a
+    shared Redis tier; unreachable: a warning, then the server runs without it) apply."""
+    import torch
+
+    import radixcache
+    from radixcache.integrations.serve.local_engine import LocalEngine
+    from radixcache.models import load_model
+
+    cuda = torch.cuda.is_available()
+    model, _ = load_model(options.model, dtype="bfloat16" if cuda else "float32",
+                          device="cuda" if cuda else "cpu")
+    lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens,
+                         store=options.store)
+    if lm.engine_unsupported:  # the self-tests ruled the engine out: refuse rather than risk a token
+        lm.close()
+        raise ValueError(f"{options.model or 'the model'} cannot run on radixcache's engine: "
+                         f"{lm.engine_unsupported}")
+    engine = lm.new_engine(max_running=options.max_running)
+    # room for one history precompute per request in flight: those are never what a client waits on
+    return LocalEngine(lm, engine, max_requests=2 * options.max_in_flight,
+                       max_context_tokens=info.max_context_tokens, close_lm=True)
+
+
 def main(args) -> int:
     """Run the server for parsed ``radixcache serve`` arguments; returns the exit status."""
     try:
@@ -45,12 +70,10 @@ def main(args) -> int:
     logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         state = build_state(options)
+        state.attach_engine(load_engine(options, state.info))
     except (OSError, ValueError) as exc:
         print(f"radixcache serve: {exc}", file=sys.stderr)
         return 1
-    if state.engine is None:
-        logger.warning("no generation engine in this version: /v1/chat/completions and /v1/completions "
-                       "answer 503; /v1/models, /metrics and request validation work")
     logger.info("serving %s as %s on http://%s:%d/v1", state.info.name, ", ".join(state.model_names),
                 options.host, options.port)
     uvicorn.run(create_app(state), host=options.host, port=options.port,

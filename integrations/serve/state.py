@@ -71,14 +71,19 @@ class ServerState:
         self.tokenizer = tokenizer
         self.info = info
         self.renderer = ChatRenderer(tokenizer, options.chat_template)
-        self.engine = engine
         self.model_names = tuple(options.served_model_names) or (info.name,)
         self.metrics = ServerMetrics()
-        self.metrics.attach(engine.counts if engine is not None else None)
+        self.attach_engine(engine)
         self.gate = AdmissionGate(options.max_in_flight)
         self.histories = HistoryIndex()
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixcache-render")
         self._background: set = set()
+
+    def attach_engine(self, engine) -> None:
+        """Serve generation with ``engine`` (an ``EngineClient``; None: generation answers 503)."""
+        self.engine = engine
+        self.metrics.attach(engine.counts if engine is not None else None,
+                            getattr(engine, "store_stats", None))
 
     @property
     def limits(self) -> EngineLimits:
@@ -93,21 +98,24 @@ class ServerState:
         """Run ``fn(*args)`` on the render thread (templates, tokenizing) and await its result."""
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
-    def precompute(self, token_ids, salt: str | None) -> None:
-        """Compute a history form's uncached blocks at low priority (prefill only), in the background."""
+    def precompute(self, token_ids, salt: str | None, retain_s: float | None = None) -> bool:
+        """Compute a history form's uncached blocks at low priority (prefill only), in the background;
+        ``retain_s``: the request's retention hint, which its history form keeps. Returns whether
+        the work was submitted (False: the precompute is off or the engine refused it)."""
         if self.engine is None or not self.options.history_precompute:
-            return
+            return False
         request = EngineRequest(new_id("history"), tuple(token_ids), SamplingParams(max_new_tokens=1),
-                                salt, Priority.LOW, prefill_only=True)
+                                salt, Priority.LOW, prefill_only=True, retain_s=retain_s)
         try:
             stream = self.engine.submit(request)
         except (EngineOverloaded, ValueError) as exc:
-            logger.debug("history precompute %s not submitted: %s", request.request_id, exc)
-            return
+            logger.info("history precompute %s not submitted: %s", request.request_id, exc)
+            return False
         self.metrics.observe_precompute(len(request.prompt))
         task = asyncio.get_running_loop().create_task(self._drain(request.request_id, stream))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return True
 
     async def _drain(self, request_id: str, stream) -> None:
         try:

@@ -8,8 +8,9 @@ with its lock held by the caller (``Engine.step``).
   prefix (``"lpm"``) or arrival (``"fcfs"``). A request admits only when its first chunk's blocks
   can be had (evicting LRU leaves if need be); otherwise admission stops for this step, so no
   small request overtakes a large one forever. A request whose prompt shares uncached blocks with
-  a prompt being computed waits for it (and promotes it, if it is a prefill-only request) and then
-  matches those blocks from the tree: the same blocks are never computed twice.
+  a prompt being computed, or with a prefill-only request still waiting, waits for it (and promotes
+  a prefill-only one to its own priority) and then matches those blocks from the tree: the same
+  blocks are never computed twice, and the waiting request counts them as cached.
 - A step takes every decode (one token each) and then prompt chunks within ``max_step_tokens``,
   in priority order; each sequence's blocks grow to cover its new tokens. When even eviction cannot
   supply them, the lowest-priority, most recently admitted sequence is preempted: what it computed
@@ -60,11 +61,14 @@ class Scheduler:
         else:
             key = lambda s: (s.live.priority, not starved(s), s.arrival)  # noqa: E731
         prefilling = [s for s in self.running if s.in_prompt]
+        queued_prefills = self._promote_queued_prefills()
         admitted = []
         for seq in sorted(self.waiting, key=key):
             if len(self.running) >= self.max_running:
                 break
             blocker = self._pending_prefill(seq, prefilling)
+            if blocker is None and not seq.request.prefill_only:
+                blocker = self._pending_prefill(seq, [p for p in queued_prefills if p in self.waiting])
             if blocker is not None:
                 if blocker.request.prefill_only:
                     blocker.live.boost = min(blocker.live.boost, seq.live.priority)
@@ -90,6 +94,20 @@ class Scheduler:
         for seq in self.waiting:
             seq.passed_over += 1
         return admitted
+
+    def _promote_queued_prefills(self) -> list[Sequence]:
+        """The prefill-only sequences still waiting; each that shares uncached whole blocks with a
+        waiting normal request is promoted to that request's priority first, so it is admitted
+        ahead of it and the normal request waits for it (and counts its blocks as cached) instead
+        of computing them itself."""
+        queued = [s for s in self.waiting if s.request.prefill_only]
+        if queued:
+            for seq in self.waiting:
+                if not seq.request.prefill_only:
+                    blocker = self._pending_prefill(seq, queued)
+                    if blocker is not None:
+                        blocker.live.boost = min(blocker.live.boost, seq.live.priority)
+        return queued
 
     def _pending_prefill(self, seq: Sequence, prefilling: list[Sequence]) -> Sequence | None:
         """A running sequence whose prompt, still being computed, shares with ``seq`` at least one

@@ -1,0 +1,97 @@
+"""The tables of ``benchmarks/serve.py``: per turn, per phase, and the issue's targets met or missed.
+
+A phase is one server (``radixcache``, ``radixcache[TEMPLATE]`` with a drifting chat template,
+``transformers``, ``transformers-cb``) at one number of concurrent sessions; its ``calls`` carry
+``turn``, ``ttft_s``, ``started``/``done``, ``completion_tokens``, ``cached_tokens`` (None: not
+reported), ``ideal_cached`` and ``ok``.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from report import fmt, median, met, ratio
+
+TARGET_TTFT_VS_CB = 0.5  # cached-turn TTFT at most this share of transformers serve --continuous-batching
+TARGET_TTFT_VS_INPROCESS = 1.2  # ... and at most this multiple of radixcache's in-process generate
+TARGET_THROUGHPUT_VS_CB = 2.0  # output tokens/s at the most sessions, at least this multiple
+TARGET_CACHED_SHARE = 0.95  # cached tokens of the ideal on every turn after the first
+
+
+def p95(values):
+    values = [v for v in values if v is not None]
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=20, method="inclusive")[18]
+
+
+def phase_rows(phase) -> list[tuple]:
+    """Per turn: prompt tokens, TTFT p50/p95 (ms), output tokens/s, cached vs ideal."""
+    rows = []
+    for turn in sorted({c.turn for c in phase.calls}):
+        calls = [c for c in phase.calls if c.turn == turn and c.ok]
+        if not calls:
+            continue
+        span = max(c.done for c in calls) - min(c.started for c in calls)
+        tokens = sum(c.completion_tokens for c in calls)
+        ttft = [c.ttft_s * 1e3 if c.ttft_s is not None else None for c in calls]
+        cached = [c.cached_tokens for c in calls]
+        ideal = median([c.ideal_cached for c in calls])
+        hit = median(cached) if all(v is not None for v in cached) else None
+        share = None if hit is None or not ideal else hit / ideal
+        rows.append((phase.server, str(phase.sessions), str(turn), fmt(median([c.prompt_tokens for c in calls]), ",.0f"),
+                     fmt(median(ttft), ",.0f"), fmt(p95(ttft), ",.0f"), fmt(tokens / span if span else None, ".1f"),
+                     fmt(hit, ",.0f"), fmt(ideal, ",.0f"), fmt(share, ".0%")))
+    return rows
+
+
+def cached_turn_ttft_ms(phase):
+    """Median TTFT (ms) over the turns after the first, or None."""
+    if phase is None:
+        return None
+    return median([c.ttft_s * 1e3 for c in phase.calls if c.ok and c.turn > 1 and c.ttft_s is not None])
+
+
+def throughput(phase):
+    """Output tokens per second over the phase's wall time, or None."""
+    if phase is None or not phase.wall_s:
+        return None
+    return sum(c.completion_tokens for c in phase.calls if c.ok) / phase.wall_s
+
+
+def worst_cached_share(phase):
+    """The lowest cached/ideal of any call after the first turn (None: nothing reported)."""
+    shares = [c.cached_tokens / c.ideal_cached for c in phase.calls
+              if c.ok and c.turn > 1 and c.ideal_cached and c.cached_tokens is not None]
+    return min(shares) if shares else None
+
+
+def summary_rows(phases) -> list[tuple]:
+    return [(p.server, str(p.sessions), str(sum(c.ok for c in p.calls)), fmt(cached_turn_ttft_ms(p), ",.0f"),
+             fmt(throughput(p), ".1f"), f"{p.wall_s:.1f}", p.note or "-") for p in phases]
+
+
+def target_rows(phases, inprocess_ms) -> list[tuple]:
+    """(target, measured, goal, met) for each of the issue's targets that this run measured."""
+    def find(server, sessions):
+        return next((p for p in phases if p.server == server and p.sessions == sessions), None)
+
+    counts = sorted({p.sessions for p in phases})
+    one, most = (counts[0], counts[-1]) if counts else (None, None)
+    radix = cached_turn_ttft_ms(find("radixcache", one))
+    versus_cb = ratio(radix, cached_turn_ttft_ms(find("transformers-cb", one)))
+    versus_local = ratio(radix, inprocess_ms)
+    speedup = ratio(throughput(find("radixcache", most)), throughput(find("transformers-cb", most)))
+    rows = [(f"cached-turn TTFT vs transformers-cb ({one} session)", fmt(versus_cb, ".2f") + "x",
+             f"<= {TARGET_TTFT_VS_CB}x", met(versus_cb, TARGET_TTFT_VS_CB)),
+            (f"cached-turn TTFT vs in-process generate ({one} session)", fmt(versus_local, ".2f") + "x",
+             f"<= {TARGET_TTFT_VS_INPROCESS}x", met(versus_local, TARGET_TTFT_VS_INPROCESS)),
+            (f"output tok/s vs transformers-cb ({most} sessions)", fmt(speedup, ".2f") + "x",
+             f">= {TARGET_THROUGHPUT_VS_CB}x", met(speedup, TARGET_THROUGHPUT_VS_CB, below=False))]
+    for phase in phases:
+        if phase.server.startswith("radixcache"):
+            share = worst_cached_share(phase)
+            rows.append((f"cached/ideal every turn > 1: {phase.server} ({phase.sessions} sessions)",
+                         fmt(share, ".1%"), f">= {TARGET_CACHED_SHARE:.0%}",
+                         met(share, TARGET_CACHED_SHARE, below=False)))
+    return rows

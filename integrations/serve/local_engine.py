@@ -1,0 +1,252 @@
+"""The ``EngineClient`` over a ``CachedLM`` in this process: one scheduler thread steps its engine.
+
+Threading model (the contract is ``engine_client.py``):
+
+- ONE scheduler thread owns the stepping of the engine. It runs ``engine.step()`` while the engine
+  has work and otherwise blocks on a condition (never spins); when waiting requests cannot run
+  because blocks are held outside the engine (a store prefetch loading blocks), it waits on the
+  same condition for a millisecond at a time.
+- The asyncio loop only calls ``engine.check`` / ``engine.add`` / ``engine.abort``, which take the
+  engine's inbox lock briefly and never wait on a forward, then notifies the condition. Requests
+  added between steps join the running batch at the next one.
+- Events go back by request id: per step, one ``loop.call_soon_threadsafe`` per request puts its
+  ``TokenEvent``s into that request's ``asyncio.Queue`` (unbounded: the thread never waits on a
+  reader, and the events of a reader that went away are dropped with its route).
+- With a shared store, ``manager.prefetch`` (network) runs on a small thread pool before the
+  request is handed to the engine, so the scheduler thread never waits on the store.
+
+How a server request maps to the engine's, and the way its events go back, is ``routing.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from radixcache.engine import Request
+from radixcache.errors import OutOfBlocks
+from radixcache.integrations.serve.engine_client import (EngineCounts, EngineLimits, EngineOverloaded,
+                                                         EngineRequest)
+from radixcache.integrations.serve.routing import Route, context_length, engine_request
+from radixcache.store import STORE_COUNTERS
+
+logger = logging.getLogger("radixcache.serve")
+
+STALL_WAIT_S = 0.001  # blocks held outside the engine: look again this soon (or when notified)
+PREFETCH_THREADS = 4
+
+
+class LocalEngine:
+    """An ``EngineClient`` over ``lm`` (a ``CachedLM``) and ``engine`` (default: ``lm.engine``).
+
+    ``max_requests`` bounds the requests it holds (normal and precompute alike); one more raises
+    ``EngineOverloaded``. ``max_context_tokens`` defaults to the model config's. A model whose
+    wrap-time self-tests ruled the engine out (``lm.engine_unsupported``) raises ``ValueError``.
+    ``close_lm``: ``close()`` also closes ``lm`` (flushing its store). See the module docstring for
+    the threads.
+    """
+
+    def __init__(self, lm, engine=None, *, max_requests: int = 1024, max_context_tokens: int | None = None,
+                 close_lm: bool = False):
+        if not isinstance(max_requests, int) or max_requests < 1:
+            raise ValueError(f"max_requests must be an int >= 1, got {max_requests!r}")
+        if lm.engine_unsupported:  # never serve tokens the engine cannot get right
+            raise ValueError(f"this model cannot run on radixcache's engine: {lm.engine_unsupported}")
+        self.lm = lm
+        self.engine = engine if engine is not None else lm.engine
+        self.manager = self.engine.manager
+        self.max_requests = max_requests
+        self._limits = EngineLimits(max_context_tokens or context_length(lm.model.config),
+                                    self.manager.allocator.num_blocks * self.manager.block_size,
+                                    self.manager.block_size)
+        self._close_lm = close_lm
+        self._routes: dict = {}  # request_id -> Route
+        self._lock = threading.Lock()  # guards _routes and every route's open/added/aborted
+        self._wake = threading.Condition()
+        self._closing = False
+        self._closed = False
+        self._prefetch = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="radixcache-prefetch")
+        self._thread = threading.Thread(target=self._run, name="radixcache-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ EngineClient
+    def limits(self) -> EngineLimits:
+        """The model's context, the pool's size in tokens and the block size."""
+        return self._limits
+
+    def submit(self, request: EngineRequest):
+        """Check and enqueue ``request`` now; return its event stream (see ``engine_client``)."""
+        if self._closing:
+            raise EngineOverloaded("the engine is shutting down")
+        if not isinstance(request, EngineRequest):
+            raise TypeError(f"expected an EngineRequest, got {type(request).__name__}")
+        try:
+            native = engine_request(request)
+            self.engine.check(native)
+        except OutOfBlocks as exc:
+            raise ValueError(str(exc)) from None
+        fanout = not request.prefill_only and native.params.n < request.params.n
+        route = Route(request, asyncio.get_running_loop(), fanout)
+        with self._lock:
+            if request.request_id in self._routes:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            if len(self._routes) >= self.max_requests:
+                raise EngineOverloaded(f"{len(self._routes)} requests are in the engine (its limit)")
+            self._routes[request.request_id] = route
+        if self.manager.store is not None:
+            namespace = self.lm.namespace(request.cache_salt)
+            self._prefetch.submit(self._prefetch_then_add, route, native, namespace)
+        else:
+            self._add(route, native)
+        return self._stream(route)
+
+    def abort(self, request_id, index: int | None = None) -> None:
+        """End sample ``index`` (or the whole request) now; idempotent, a no-op when unknown."""
+        with self._lock:
+            route = self._routes.get(request_id)
+            if route is None:
+                return
+            if not route.added or route.fanout:
+                # decided here: the engine has not got it yet, or its one sample serves others
+                indices = set(route.open) if index is None else {index}
+                route.push(route.closing(indices, "abort"))
+                whole = not route.open
+                if not route.added:
+                    route.aborted = route.aborted or whole
+                    if whole:
+                        del self._routes[request_id]
+                    return
+                if not whole:
+                    return
+                index = None
+        self.engine.abort(request_id, index)
+        self._notify()
+
+    @property
+    def open_requests(self) -> int:
+        """Requests submitted whose stream has not delivered every final event yet."""
+        with self._lock:
+            return len(self._routes)
+
+    def counts(self) -> EngineCounts:
+        """Sequences running and waiting (requests still prefetching count as waiting), pool blocks
+        that cannot be had now (held by requests) of all."""
+        sched = self.engine.scheduler
+        with self._lock:
+            prefetching = sum(1 for r in self._routes.values() if not r.added)
+        total = self.manager.allocator.num_blocks
+        return EngineCounts(len(sched.running), len(sched.waiting) + prefetching,
+                            total - self.manager.freeable_blocks(), total)
+
+    def store_stats(self) -> dict:
+        """The shared store's counters (``store_hit_tokens``, ``store_written_blocks``, ...; see
+        ``radixcache.store.STORE_COUNTERS``) from ``lm.stats()``; empty without a store."""
+        return {k: v for k, v in self.lm.stats().items() if k in STORE_COUNTERS}
+
+    async def close(self) -> None:
+        """Abort everything, stop the scheduler thread (and close ``lm`` when it was asked to)."""
+        if self._closed:
+            return
+        self._closing = True
+        with self._lock:
+            ids = list(self._routes)
+        for request_id in ids:
+            self.abort(request_id)
+        self._notify()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._thread.join)
+        # a prefetch still loading holds a lease until it returns: wait for it (bounded by the store)
+        await loop.run_in_executor(None, lambda: self._prefetch.shutdown(wait=True, cancel_futures=True))
+        self._closed = True
+        if self._close_lm:
+            await loop.run_in_executor(None, self.lm.close)
+
+    # ------------------------------------------------------------------ handing over
+    def _prefetch_then_add(self, route: Route, native: Request, namespace) -> None:
+        try:
+            loaded = self.manager.prefetch(native.prompt, namespace)
+            if loaded:
+                logger.debug("request %s: %d prompt tokens loaded from the store", native.request_id, loaded)
+        except Exception:  # noqa: BLE001 - a store problem is a miss, never a failed request
+            logger.exception("request %s: prefetch from the store failed", native.request_id)
+        self._add(route, native)
+
+    def _add(self, route: Route, native: Request) -> None:
+        with self._lock:
+            if route.aborted or self._routes.get(native.request_id) is not route:
+                return  # aborted while it was prefetching: its final events went out then
+            if self._closing:
+                del self._routes[native.request_id]
+                route.push(route.closing(set(route.open), "abort"))
+                return
+            try:
+                self.engine.add(native)
+            except (TypeError, ValueError, OutOfBlocks) as exc:  # checked before; cannot happen twice
+                del self._routes[native.request_id]
+                route.push(route.closing(set(route.open), "error", str(exc)))
+                return
+            route.added = True
+        self._notify()
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    async def _stream(self, route: Route):
+        # from the indices, not route.open: the scheduler thread may have closed some already
+        waiting = set(route.indices)
+        try:
+            while waiting:
+                event = await route.queue.get()
+                if event.finish_reason is not None:
+                    waiting.discard(event.index)
+                yield event
+        finally:
+            if waiting:  # the reader stopped early (disconnect, cancelled): free the blocks now
+                self.abort(route.request.request_id)
+
+    # ------------------------------------------------------------------ the scheduler thread
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not engine.has_work and not self._closing:
+                    self._wake.wait()
+                if self._closing and not engine.has_work:
+                    return
+            try:
+                events = engine.step()
+            except BaseException as exc:  # noqa: BLE001 - the engine ended its requests; tell readers
+                logger.exception("engine step failed")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+                if not isinstance(exc, Exception):
+                    return
+                continue
+            self._route(events)
+            if not events and engine.stalled:
+                with self._wake:
+                    self._wake.wait(STALL_WAIT_S)
+
+    def _route(self, events) -> None:
+        by_route: dict = {}
+        with self._lock:
+            for event in events:
+                route = self._routes.get(event.request_id)
+                if route is None:
+                    continue
+                by_route.setdefault(id(route), (route, []))[1].extend(route.translate(event))
+                if event.finished and not route.open:
+                    self._routes.pop(event.request_id, None)
+        for route, out in by_route.values():
+            route.push(out)
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            routes = [r for r in self._routes.values() if r.added]
+            for route in routes:
+                del self._routes[route.request.request_id]
+                route.push(route.closing(set(route.open), "error", why))
+        for route in routes:
+            self.engine.abort(route.request.request_id)
