@@ -17,7 +17,10 @@ from functools import lru_cache
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from drift_templates import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK  # noqa: E402,F401 (re-exported)
+from drift_templates import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK  # noqa: E402
+
+__all__ = ["DRIFT_GENERATION_THINK", "DRIFT_STRIP_THINK", "LiveServer", "Served", "TOOLS_TEMPLATE",
+           "embedded_tokenizer", "free_socket", "metric", "tokenizer_with_template", "write_model_dir"]
 
 TOOLS_TEMPLATE = (
     "{%- if tools %}"
