@@ -94,7 +94,7 @@ def test_prompts_only_ever_grow_by_appending():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["agent_loop.py", "multi_turn_chat.py"])
+@pytest.mark.parametrize("script", ["agent_loop.py", "multi_turn_chat.py", "parallel_sampling.py"])
 def test_examples_run_as_is(script):
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     result = subprocess.run([sys.executable, str(ROOT / "examples" / script)], cwd=ROOT, env=env,
