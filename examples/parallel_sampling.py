@@ -31,7 +31,7 @@ def main():
     for brief, samples, cached in zip(BRIEFS, results, results.cached_tokens):
         print(f"{brief}  ({cached} prompt tokens from the cache)")
         for ids in samples:
-            print("  -", tokenizer.decode(ids, skip_special_tokens=True).strip())
+            print("  -", " ".join(tokenizer.decode(ids, skip_special_tokens=True).split()))
 
     stats = lm.stats()  # 3. stats
     print(f"hit rate: {stats['hit_rate']:.1%} ({stats['hit_tokens']:,} of "
