@@ -10,7 +10,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from benchmarks.agent_loop_workload import Call, Config, common_prefix
+from benchmarks.agent_loop_workload import Call, Config
+from radixcache.tokens import common_prefix
 from benchmarks.measure import timed_generate
 
 CB_LOGGER = "ContinuousBatchingLogger"

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 
 from benchmarks.measure import random_ids
+from radixcache.tokens import common_prefix
 
 
 @dataclass(frozen=True)
@@ -98,14 +99,6 @@ def unique_tokens(sequences) -> int:
         total += len(s) - common_prefix(s, prev)
         prev = s
     return total
-
-
-def common_prefix(x, y) -> int:
-    n = min(len(x), len(y))
-    i = 0
-    while i < n and x[i] == y[i]:
-        i += 1
-    return i
 
 
 def describe_variant(name: str, cfg: Config) -> str:

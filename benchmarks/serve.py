@@ -131,7 +131,7 @@ class Workload:
 
 async def run_session(client, model: str, work: Workload, session: int, turns: int, max_tokens: int,
                       deadline: float, calls: list) -> None:
-    from radixcache.integrations.serve.history import common_prefix
+    from radixcache.tokens import common_prefix
 
     messages = [{"role": "system", "content": work.system}]
     previous = ()

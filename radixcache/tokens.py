@@ -129,3 +129,21 @@ def common_blocks(key: bytes, q: bytes, pos: int, end: int, bs4: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (lists, tuples, arrays, numpy
+    arrays, in any mix): bisection over C-speed slice compares."""
+    if type(a) is not type(b) or isinstance(a, np.ndarray):
+        a, b = tuple(a), tuple(b)
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

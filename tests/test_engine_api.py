@@ -4,12 +4,11 @@ prefill-only requests."""
 import threading
 
 import pytest
-import torch
 
 import radixcache
 from radixcache.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_PREFILLED, FINISH_STOP, Event,
                                Request, SamplingParams)
-from tiny_models import random_ids, tiny_model
+from tiny_models import plain_greedy, random_ids, tiny_model
 
 BS = 4
 
@@ -17,13 +16,6 @@ BS = 4
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama")
-
-
-def plain_continuation(model, prompt, max_new):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                         do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 def drain(engine, limit=500):
@@ -50,11 +42,11 @@ def test_requests_join_between_steps_and_finish_with_reasons(model):
     engine.add(Request("a", a, SamplingParams(max_new_tokens=6)))
     events = engine.step() + engine.step()
     assert [e.request_id for e in events] == ["a", "a"]
-    free_run = plain_continuation(model, b, 6)
+    free_run = plain_greedy(model, b, 6)
     eos = free_run[2]
     engine.add(Request("b", b, SamplingParams(max_new_tokens=6, stop_token_ids={eos})))
     events += drain(engine)
-    assert tokens_of(events, "a") == plain_continuation(model, a, 6)
+    assert tokens_of(events, "a") == plain_greedy(model, a, 6)
     assert tokens_of(events, "b") == free_run[:free_run.index(eos) + 1]
     finals = {e.request_id: e for e in events if e.finished}
     assert finals["a"].finish_reason == FINISH_LENGTH and finals["b"].finish_reason == FINISH_STOP
@@ -128,7 +120,7 @@ def test_prefill_only_caches_the_whole_prompt_and_samples_nothing(model):
     engine.add(Request("t", turn, SamplingParams(max_new_tokens=3)))
     events = drain(engine)
     assert events[-1].cached_tokens == 30  # 7 whole blocks and the 2-token tail
-    assert tokens_of(events, "t") == plain_continuation(model, turn, 3)
+    assert tokens_of(events, "t") == plain_greedy(model, turn, 3)
 
 
 def test_a_request_waiting_on_a_prefill_promotes_it_and_shares_its_blocks(model):
@@ -149,7 +141,7 @@ def test_a_request_waiting_on_a_prefill_promotes_it_and_shares_its_blocks(model)
     turn_final = next(e for e in events if e.request_id == "turn" and e.finished)
     assert turn_final.cached_tokens == 48
     assert lm.stats()["computed_prompt_tokens"] == 120 + 48 + 6
-    assert tokens_of(events, "turn") == plain_continuation(model, turn, 2)
+    assert tokens_of(events, "turn") == plain_greedy(model, turn, 2)
 
 
 def test_a_request_queued_behind_a_waiting_prefill_waits_for_it(model):
@@ -167,7 +159,7 @@ def test_a_request_queued_behind_a_waiting_prefill_waits_for_it(model):
     assert order == [("pre", True), ("turn", True)]
     assert next(e for e in events if e.request_id == "turn").cached_tokens == 45
     assert lm.stats()["computed_prompt_tokens"] == len(turn)
-    assert tokens_of(events, "turn") == plain_continuation(model, turn, 2)
+    assert tokens_of(events, "turn") == plain_greedy(model, turn, 2)
 
 
 def test_add_rejects_bad_requests_without_changes(model):
@@ -233,4 +225,4 @@ def test_a_failing_forward_ends_its_requests_with_error_events(model, monkeypatc
     monkeypatch.setattr(lm.runner, "forward", real)
     prompt = random_ids(9, 13)[0].tolist()
     engine.add(Request("b", prompt, SamplingParams(max_new_tokens=3)))
-    assert tokens_of(drain(engine), "b") == plain_continuation(model, prompt, 3)
+    assert tokens_of(drain(engine), "b") == plain_greedy(model, prompt, 3)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import radixcache
-from tiny_models import random_ids, tiny_model
+from tiny_models import plain_greedy, random_ids, tiny_model
 
 BS = 4
 
@@ -16,12 +16,6 @@ BS = 4
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama")
-
-
-def plain(model, prompt, n):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 @settings(max_examples=12, deadline=None, derandomize=True,
@@ -36,7 +30,7 @@ def test_a_retention_hint_never_changes_a_generated_token(model, hints, order, b
     for step in order:
         s, turn = step % 3, step // 3
         prompt = sessions[s] + random_ids(5 + turn, 60 + step)[0].tolist()
-        want = plain(model, prompt, 4)
+        want = plain_greedy(model, prompt, 4)
         if batch:
             got = lm.generate_batch([prompt], max_new_tokens=4, retain_s=hints[step])[0][0]
         else:
@@ -65,7 +59,7 @@ def test_a_retained_session_survives_one_shot_traffic(model):
                           return_dict_in_generate=True)
         results[hint] = (out.cached_tokens[0], out.sequences[0, len(again):].tolist())
     assert results[None][0] < 40 <= results[60.0][0], results
-    assert results[None][1] == results[60.0][1] == plain(model, again, 3)
+    assert results[None][1] == results[60.0][1] == plain_greedy(model, again, 3)
 
 
 @pytest.mark.parametrize("bad, error", [(-1, ValueError), ("5", TypeError), (True, TypeError),

@@ -132,3 +132,20 @@ def test_handles_are_unique_while_held_and_stale_after_reuse():
     with pytest.raises(CacheError, match="evicted"):
         tree.lock(a)
     tree.reset()
+
+
+def test_common_prefix_over_any_mix_of_sequence_types():
+    """``tokens.common_prefix`` gives the same length for lists, tuples, arrays and numpy arrays in
+    any mix (a list never equals a tuple in Python, so a naive slice compare would say 0)."""
+    import numpy as np
+
+    from radixcache.tokens import common_prefix
+
+    a = list(range(100))
+    b = a[:57] + [999] + a[58:]
+    forms = (list, tuple, lambda x: array("I", x), np.array)
+    for fa in forms:
+        for fb in forms:
+            assert common_prefix(fa(a), fb(b)) == 57
+            assert common_prefix(fa(a), fb(a[:10])) == 10
+    assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [3]) == 0

@@ -34,3 +34,11 @@ def random_ids(n: int, seed: int, batch: int = 1) -> torch.Tensor:
     """``[batch, n]`` random token ids avoiding 0 (the pad id)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (batch, n), generator=g)
+
+
+def plain_greedy(model, prompt, max_new: int) -> list:
+    """The ``max_new`` greedy tokens plain ``model.generate`` appends to ``prompt`` (a token list)."""
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                         do_sample=False)
+    return out[0, len(prompt):].tolist()

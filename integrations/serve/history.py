@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 from radixcache.integrations.serve.chat_template import ChatRenderer, RenderError
+from radixcache.tokens import common_prefix
 
 # Reasons a history form departs from the tokens the model computed (metric labels, log words).
 GENERATION_PROMPT = "generation_prompt"  # the generation prompt differs from a past turn's opening
@@ -67,15 +68,6 @@ class History(NamedTuple):
     def blocks_to_compute(self, block_size: int) -> int:
         """Whole blocks of ``token_ids`` beyond what the model computed (what a precompute adds)."""
         return max(0, len(self.token_ids) // block_size - self.computed // block_size)
-
-
-def common_prefix(a, b) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _next_message(role: str, content: str) -> dict:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 
-from radixcache.engine.sequence import Sequence, common_prefix
+from radixcache.engine.sequence import Sequence
+from radixcache.tokens import common_prefix
 from radixcache.errors import OutOfBlocks
 
 

@@ -70,18 +70,3 @@ class Sequence:
     def in_prompt(self) -> bool:
         """True while part of the prompt still has to be computed."""
         return self.computed < self.prompt_len
-
-
-def common_prefix(a: list, b: list) -> int:
-    """Length of the longest common prefix of two token lists (C-speed slice compares)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
