@@ -137,8 +137,6 @@ def test_handles_are_unique_while_held_and_stale_after_reuse():
 def test_common_prefix_over_any_mix_of_sequence_types():
     """``tokens.common_prefix`` gives the same length for lists, tuples, arrays and numpy arrays in
     any mix (a list never equals a tuple in Python, so a naive slice compare would say 0)."""
-    import numpy as np
-
     from radixcache.tokens import common_prefix
 
     a = list(range(100))
