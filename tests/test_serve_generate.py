@@ -199,38 +199,40 @@ def close_streams(streams) -> None:
         response.__exit__(None, None, None)
 
 
-def test_a_full_server_answers_429_and_a_full_engine_503(model_dir):
-    served = Served(model_dir, max_running=1, max_queue=1)  # two in flight at most
+def refuses_one_more_then_serves(served, error, check):
+    """With two requests held open, one more gets ``error`` (``check(exc)`` asserts its details);
+    once they are closed the server answers again."""
     streams = []
     try:
         streams = open_streams(served, 2)
+        with served.client() as c:
+            with pytest.raises(error) as info:
+                c.chat.completions.create(model="tiny-smol", messages=chat("One more?"), max_tokens=2)
+            check(info.value)
+            close_streams(streams)
+            streams = []
+            served.quiet()
+            assert c.chat.completions.create(model="tiny-smol", messages=chat("Now?"), max_tokens=2).usage
+    finally:
+        close_streams(streams)
+        served.stop()
+
+
+def test_a_full_server_answers_429_and_a_full_engine_503(model_dir):
+    served = Served(model_dir, max_running=1, max_queue=1)  # two in flight at most
+
+    def queue_full(exc):
         assert metric(served.metrics(), "num_requests_running") == 1  # one runs, one waits for a place
-        with served.client() as c:
-            with pytest.raises(openai.RateLimitError) as info:
-                c.chat.completions.create(model="tiny-smol", messages=chat("One more?"), max_tokens=2)
-            assert info.value.status_code == 429 and info.value.code == "queue_full"
-            close_streams(streams)
-            streams = []
-            served.quiet()
-            assert c.chat.completions.create(model="tiny-smol", messages=chat("Now?"), max_tokens=2).usage
-    finally:
-        close_streams(streams)
-        served.stop()
+        assert exc.status_code == 429 and exc.code == "queue_full"
+
+    refuses_one_more_then_serves(served, openai.RateLimitError, queue_full)
     served = Served(model_dir, max_running=1, max_queue=8, engine_options={"max_requests": 2})
-    try:
-        streams = open_streams(served, 2)
-        with served.client() as c:
-            with pytest.raises(openai.InternalServerError) as info:
-                c.chat.completions.create(model="tiny-smol", messages=chat("One more?"), max_tokens=2)
-            assert info.value.status_code == 503 and "overloaded" in info.value.message
-            assert metric(served.metrics(), "requests_rejected_total", status="503") == 1
-            close_streams(streams)
-            streams = []
-            served.quiet()
-            assert c.chat.completions.create(model="tiny-smol", messages=chat("Now?"), max_tokens=2).usage
-    finally:
-        close_streams(streams)
-        served.stop()
+
+    def overloaded(exc):
+        assert exc.status_code == 503 and "overloaded" in exc.message
+        assert metric(served.metrics(), "requests_rejected_total", status="503") == 1
+
+    refuses_one_more_then_serves(served, openai.InternalServerError, overloaded)
 
 
 def test_prompts_too_long_for_the_pool_are_refused_before_the_engine(model_dir):
