@@ -58,7 +58,9 @@ def prefetch_from_store(manager, tokens: Sequence[int], namespace: Namespace = (
         pass  # a block this pool cannot hold exactly: stop there
     finally:
         with manager.lock:
-            if loaded > first:
-                manager.commit(lease, tokens, loaded * bs, offer=False)
-            manager.release(lease)
+            try:
+                if loaded > first:
+                    manager.commit(lease, tokens, loaded * bs, offer=False)
+            finally:
+                manager.release(lease)
     return (loaded - first) * bs

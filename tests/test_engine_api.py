@@ -226,3 +226,23 @@ def test_a_failing_forward_ends_its_requests_with_error_events(model, monkeypatc
     prompt = random_ids(9, 13)[0].tolist()
     engine.add(Request("b", prompt, SamplingParams(max_new_tokens=3)))
     assert tokens_of(drain(engine), "b") == plain_greedy(model, prompt, 3)
+
+
+def test_a_request_that_cannot_fit_yet_waits_without_touching_the_cache(model):
+    """A waiting request whose first chunk cannot get its blocks while another runs is not admitted
+    and backed out on every step (each would match, split, evict or copy a tail, and count a
+    query): the tree is queried once per admitted request, and both answers equal plain generate."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=64)
+    engine = lm.new_engine()
+    a, b = random_ids(40, 21)[0].tolist(), random_ids(30, 22)[0].tolist()
+    engine.add(Request("a", a, SamplingParams(max_new_tokens=20)))
+    events = engine.step()
+    queried = lm.cache.stats.queried_tokens
+    engine.add(Request("b", b, SamplingParams(max_new_tokens=3)))
+    for _ in range(5):
+        events += engine.step()
+        assert lm.cache.stats.queried_tokens == queried  # "b" waits, untouched
+    events += drain(engine)
+    assert lm.cache.stats.queried_tokens == queried + len(b) - 1
+    assert tokens_of(events, "a") == plain_greedy(model, a, 20)
+    assert tokens_of(events, "b") == plain_greedy(model, b, 3)

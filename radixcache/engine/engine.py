@@ -22,7 +22,7 @@ from collections import deque
 
 import torch
 
-from radixcache.attention.plan import Segment, StepPlan
+from radixcache.attention.plan import Segment, StepPlan, device_tensor
 from radixcache.engine.request import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREFILLED,
                                        FINISH_STOP, Event, Request, checked_prompt)
 from radixcache.engine.runner import EngineMetrics, ModelRunner
@@ -237,8 +237,7 @@ class Engine:
             live = self._live.get(request_id)
             if live is None:
                 continue
-            for seq in self._samples[request_id]:
-                self.scheduler.finish(seq)
+            self.scheduler.back_out(self._samples[request_id])  # no retention hint for a failure
             n = 1 if live.request.prefill_only else live.request.params.n
             events.extend(Event(request_id, i, None, True, FINISH_ERROR, live.cached_tokens, why)
                           for i in range(n) if i not in live.finished)
@@ -272,7 +271,7 @@ class Engine:
             return events
         rows = [r for _, r in choosers]
         if rows != list(range(len(rows))):
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[device_tensor(rows, logits.device)]
         tokens = choose(logits, [Row(s.request.params, s.generator, s.seen) for s, _ in choosers])
         self.manager.record_generated(len(tokens))
         for (seq, _), token in zip(choosers, tokens):

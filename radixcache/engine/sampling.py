@@ -58,7 +58,7 @@ def _repetition_penalty(scores: torch.Tensor, rows: list[Row], indices: list[int
     """transformers' rule on every id a row has seen: positive logits / p, negative ones * p."""
     flat_rows, flat_cols, penalty = [], [], []
     for i, row in zip(indices, rows):
-        ids = sorted(row.seen or ())
+        ids = list(row.seen or ())  # distinct ids: the scatter below needs no order
         flat_rows.extend([i] * len(ids))
         flat_cols.extend(ids)
         penalty.extend([row.params.repetition_penalty] * len(ids))

@@ -74,6 +74,9 @@ class Scheduler:
                 if blocker.request.prefill_only:
                     blocker.live.boost = min(blocker.live.boost, seq.live.priority)
                 continue
+            have = cached[id(seq)] if self.schedule == "lpm" else tree.peek(seq.tokens[:-1], seq.live.namespace)
+            if self._surely_too_big(seq, have):
+                break  # decided without admitting: no split, eviction, tail copy or count
             lease = self.manager.admit(seq.tokens, seq.live.namespace, count=False)
             first = min(len(seq.tokens) - lease.computed, self.max_step_tokens)
             if not self.manager.can_grow(lease, lease.computed + first):
@@ -95,6 +98,15 @@ class Scheduler:
         for seq in self.waiting:
             seq.passed_over += 1
         return admitted
+
+    def _surely_too_big(self, seq: Sequence, have: int) -> bool:
+        """Whether ``seq``'s first chunk cannot get its blocks even if ``have`` of its tokens are
+        cached: a lower bound on what ``admit`` + ``grow`` would take against what the pool could
+        free now (``have`` may be stale, from before this round's admissions: a larger ``have``
+        only lowers the bound, so the answer stays safe)."""
+        bs = self.manager.block_size
+        end = min(len(seq.tokens), have + self.max_step_tokens)
+        return -(-end // bs) - have // bs > self.manager.freeable_blocks()
 
     def _promote_queued_prefills(self) -> list[Sequence]:
         """The prefill-only sequences still waiting; each that shares uncached whole blocks with a
