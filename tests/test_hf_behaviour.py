@@ -197,6 +197,22 @@ def test_exception_inside_generate_leaves_nothing_pinned_or_leaked(lm):
     lm.cache.check()
 
 
+def test_a_stopping_criteria_that_is_not_a_list_raises_holding_nothing(lm):
+    """A single StoppingCriteria object (not a list) fails before any lease is taken: nothing stays
+    pinned, held or running."""
+    ids = random_ids(20, 3)
+    with pytest.raises(TypeError):
+        lm.generate(ids, max_new_tokens=2, do_sample=False, stopping_criteria=NeverStop())
+    assert lm.cache.pinned_blocks == 0 and lm.stats()["running"] == 0
+    assert lm.cache.leaks() == []
+    lm.manager.check()
+
+
+class NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
 def test_prompt_larger_than_the_pool_raises_out_of_blocks_and_evicts_nothing(model):
     """A prompt the whole pool cannot hold raises OutOfBlocks before computing anything: no block
     is evicted, nothing leaks."""

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 import transformers as tf
+from transformers import MaxLengthCriteria, StoppingCriteriaList
 
 import radixcache
 from tiny_models import VOCAB, random_ids, tiny_model
@@ -42,8 +43,10 @@ def test_attention_sinks_fall_back_for_generate_and_generate_batch(caplog):
     with caplog.at_level(logging.WARNING, logger="radixcache"):
         assert torch.equal(lm.generate(ids, max_new_tokens=5, do_sample=False), want)
     assert lm.generate_batch([ids[0].tolist()], max_new_tokens=5)[0][0] == want[0, 14:].tolist()
+    with lm.generate_batch([ids[0].tolist()], max_new_tokens=5, stream=True) as stream:  # as BatchRun
+        assert [t.token for t in stream] == want[0, 14:].tolist()
     stats = lm.stats()
-    assert stats["fallbacks"] == 2 and stats["cached_tokens"] == 0
+    assert stats["fallbacks"] == 3 and stats["cached_tokens"] == 0
     assert any("s_aux" in r.message for r in caplog.records)
 
 
@@ -62,14 +65,17 @@ def test_dropout_while_training_is_detected_at_run_time():
     try:
         lm.generate(ids, max_new_tokens=2, do_sample=False)
         assert len(lm.generate_batch([ids[0].tolist()], max_new_tokens=2)[0][0]) == 2
+        one_more = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 1)])  # the fallback keeps it
+        out = lm.generate(ids, max_new_tokens=4, do_sample=False, stopping_criteria=one_more)
+        assert out.shape[1] == ids.shape[1] + 1
     finally:
         model.eval()
     stats = lm.stats()
-    assert stats["fallbacks"] == 2 and any("dropout" in r for r in stats["fallback_reasons"])
+    assert stats["fallbacks"] == 3 and any("dropout" in r for r in stats["fallback_reasons"])
     assert stats["cached_tokens"] == 0 and lm.cache.leaks() == []
     assert torch.equal(lm.generate(ids, max_new_tokens=2, do_sample=False),
                        plain(model, ids, max_new_tokens=2))
-    assert lm.stats()["fallbacks"] == 2
+    assert lm.stats()["fallbacks"] == 3
 
 
 def test_a_model_building_its_own_mask_is_refused(monkeypatch):

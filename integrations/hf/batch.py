@@ -131,8 +131,32 @@ def plain_batch(lm, requests: list[Request], stream: bool):
     result = BatchOutput(samples, [0] * len(requests), reasons)
     if not stream:
         return result
-    return iter([StreamToken(i, j, t) for i, per in enumerate(result)
-                 for j, s in enumerate(per) for t in s])
+    return FinishedStream([StreamToken(i, j, t) for i, per in enumerate(result)
+                           for j, s in enumerate(per) for t in s])
+
+
+class FinishedStream:
+    """The stream of a batch that already ran (the plain fallback): an iterator of its
+    ``StreamToken``s that, like a ``BatchRun``, is a context manager with ``close()``."""
+
+    def __init__(self, items: list):
+        self._items = iter(items)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._items)
+
+    def close(self) -> None:
+        """Drop what was not read (nothing holds a block: it all ran already)."""
+        self._items = iter(())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _until_stop(tokens: list, params: SamplingParams) -> tuple[list, str]:

@@ -61,6 +61,10 @@ def generate_paged(lm, ids: torch.Tensor, mask: torch.Tensor, config, kwargs: di
     manager = lm.manager
     pads = (mask.shape[1] - mask.sum(dim=1)).tolist()
     prompts = [ids[r, pad:].tolist() for r, pad in enumerate(pads)]
+    seen = TokensSeen()  # built before any admission: nothing below may fail holding leases
+    stopping = StoppingCriteriaList(list(kwargs.get("stopping_criteria") or []) + [seen])
+    kwargs = {k: v for k, v in kwargs.items() if k != "stopping_criteria"}  # the caller's stays whole
+    eos = eos_ids(config)
     for tokens in prompts:  # a shared store's blocks after the local match (the network, no lock)
         manager.prefetch(tokens, namespace)
     rows = []
@@ -68,16 +72,13 @@ def generate_paged(lm, ids: torch.Tensor, mask: torch.Tensor, config, kwargs: di
         try:
             for tokens, pad in zip(prompts, pads):
                 rows.append(GenerateRow(tokens, pad, manager.admit(tokens, namespace)))
+            cache = PagedCache(lm, manager, lm.pool, lm.backend, rows,
+                               min(row.pad + row.lease.computed for row in rows), seen, eos, retain_s)
         except BaseException:
             for row in rows:
                 manager.release(row.lease)
             raise
     cached = [row.lease.cached_tokens for row in rows]
-    seen = TokensSeen()
-    cache = PagedCache(lm, manager, lm.pool, lm.backend, rows,
-                       min(row.pad + row.lease.computed for row in rows), seen, eos_ids(config),
-                       retain_s)
-    stopping = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [seen])
     out = None
     try:
         with torch.no_grad():
