@@ -142,8 +142,9 @@ class LocalEngine:
 
     def store_stats(self) -> dict:
         """The shared store's counters (``store_hit_tokens``, ``store_written_blocks``, ...; see
-        ``radixcache.store.STORE_COUNTERS``) from ``lm.stats()``; empty without a store."""
-        return {k: v for k, v in self.lm.stats().items() if k in STORE_COUNTERS}
+        ``radixcache.store.STORE_COUNTERS``) from the manager's stats (no pool read: a forward may
+        be in flight); empty without a store."""
+        return {k: v for k, v in self.lm.manager.stats().items() if k in STORE_COUNTERS}
 
     async def close(self) -> None:
         """Abort everything, stop the scheduler thread (and close ``lm`` when it was asked to)."""
