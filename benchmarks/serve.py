@@ -35,6 +35,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -129,6 +130,15 @@ class Workload:
         return history_tokens(self.renderer, messages)
 
 
+_RENDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-render")  # one: tokenizers
+
+
+async def render(fn, messages):
+    """``fn(messages)`` (the client side's template rendering) off the event loop, so one
+    session's rendering never delays another's stream reading (and its measured TTFT)."""
+    return await asyncio.get_running_loop().run_in_executor(_RENDER, fn, messages)
+
+
 async def run_session(client, model: str, work: Workload, session: int, turns: int, max_tokens: int,
                       deadline: float, calls: list) -> None:
     from radixcache.tokens import common_prefix
@@ -140,7 +150,7 @@ async def run_session(client, model: str, work: Workload, session: int, turns: i
             return
         request, result = work.request(session, turn)
         messages.append({"role": "user", "content": request})
-        n, ids = work.count(messages)
+        n, ids = await render(work.count, messages)
         call = Call(session, turn + 1, n, common_prefix(ids, previous) if previous else 0, time.perf_counter())
         calls.append(call)
         try:
@@ -165,7 +175,7 @@ async def run_session(client, model: str, work: Workload, session: int, turns: i
         finally:
             call.done = time.perf_counter()
         messages.append({"role": "assistant", "content": call.reply})
-        previous = work.history(messages)
+        previous = await render(work.history, messages)
         messages.append({"role": "tool", "tool_call_id": f"call_{turn + 1}", "content": result})
 
 
