@@ -8,21 +8,12 @@ reported), ``ideal_cached`` and ``ok``.
 
 from __future__ import annotations
 
-import statistics
-
-from report import fmt, median, met, ratio
+from report import fmt, median, met, percentile, ratio
 
 TARGET_TTFT_VS_CB = 0.5  # cached-turn TTFT at most this share of transformers serve --continuous-batching
 TARGET_TTFT_VS_INPROCESS = 1.2  # ... and at most this multiple of radixcache's in-process generate
 TARGET_THROUGHPUT_VS_CB = 2.0  # output tokens/s at the most sessions, at least this multiple
 TARGET_CACHED_SHARE = 0.95  # cached tokens of the ideal on every turn after the first
-
-
-def p95(values):
-    values = [v for v in values if v is not None]
-    if len(values) < 2:
-        return values[0] if values else None
-    return statistics.quantiles(values, n=20, method="inclusive")[18]
 
 
 def phase_rows(phase) -> list[tuple]:
@@ -40,7 +31,7 @@ def phase_rows(phase) -> list[tuple]:
         hit = median(cached) if all(v is not None for v in cached) else None
         share = None if hit is None or not ideal else hit / ideal
         rows.append((phase.server, str(phase.sessions), str(turn), fmt(median([c.prompt_tokens for c in calls]), ",.0f"),
-                     fmt(median(ttft), ",.0f"), fmt(p95(ttft), ",.0f"), fmt(tokens / span if span else None, ".1f"),
+                     fmt(median(ttft), ",.0f"), fmt(percentile(ttft, 95), ",.0f"), fmt(tokens / span if span else None, ".1f"),
                      fmt(hit, ",.0f"), fmt(ideal, ",.0f"), fmt(share, ".0%")))
     return rows
 

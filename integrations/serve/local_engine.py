@@ -29,7 +29,8 @@ from radixcache.engine import Request
 from radixcache.errors import OutOfBlocks
 from radixcache.integrations.serve.engine_client import (EngineCounts, EngineLimits, EngineOverloaded,
                                                          EngineRequest)
-from radixcache.integrations.serve.routing import Route, context_length, engine_request
+from radixcache.integrations.serve.routing import Route, engine_request
+from radixcache.integrations.serve.state import context_length
 from radixcache.store import STORE_COUNTERS
 
 logger = logging.getLogger("radixcache.serve")

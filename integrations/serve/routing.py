@@ -87,12 +87,3 @@ def put_all(queue: asyncio.Queue, events) -> None:
     """Put ``events`` into ``queue`` (on the queue's loop)."""
     for event in events:
         queue.put_nowait(event)
-
-
-def context_length(config) -> int:
-    """The context length a model config names (``max_position_embeddings`` / ``n_positions``)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    length = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    if not length:
-        raise ValueError("the model config names no context length (max_position_embeddings)")
-    return int(length)

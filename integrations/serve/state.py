@@ -42,6 +42,15 @@ def _ids(value) -> set:
     return {int(v) for v in value} if isinstance(value, (list, tuple, set)) else {int(value)}
 
 
+def context_length(config) -> int:
+    """The context length a model config names (``max_position_embeddings`` / ``n_positions``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    length = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if not length:
+        raise ValueError("the model config names no context length (max_position_embeddings)")
+    return int(length)
+
+
 def load_model_info(model_dir) -> tuple:
     """``(tokenizer, ModelInfo)`` of a local model directory; reads no weights, contacts no hub."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,9 +60,7 @@ def load_model_info(model_dir) -> tuple:
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    if not context:
-        raise ValueError(f"{path}/config.json names no context length (max_position_embeddings)")
+    context = context_length(config)
     stops = _ids(getattr(text, "eos_token_id", None))
     try:
         stops |= _ids(GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
