@@ -52,7 +52,7 @@ class RadixCache:
     Only whole blocks are cached, plus at most one partial tail per node: L tokens cover
     ``L // block_size`` blocks. ``namespace`` tuples partition the tree completely: no node or block
     is shared between them. ``clock`` (seconds, non-decreasing) is what ``retain`` deadlines are read
-    against. See DESIGN.md for the contracts of each method; ``check()`` verifies the invariants
+    against. Each method's docstring states its contract; ``check()`` verifies the invariants
     (``radixcache.tree_body`` states them).
     """
 

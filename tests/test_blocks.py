@@ -1,4 +1,4 @@
-"""Unit tests of BlockAllocator (radixcache/blocks.py) against the contract in DESIGN.md.
+"""Unit tests of BlockAllocator (radixcache/blocks.py) against its docstrings' contract.
 
 Every failing call must raise the documented exception AND leave the allocator exactly as it was;
 ``snapshot`` captures everything observable (every block's count and the number of free blocks).

@@ -7,7 +7,8 @@ prefix) it was "written" for, inserts (sometimes with a partial tail block for i
 block), and releases its references now or later (live holders). Readers match, lock and hold
 blocks without inserting. Evictions and resets happen in between.
 
-After every step the DESIGN.md invariants are checked:
+After every step the tree's invariants (the README's "Core" section and ``RadixCache``'s
+docstrings) are checked:
 
 1. every block's count == (1 if the tree holds it) + the machine's live references on it;
    num_free + used == num_blocks; the tree holds exactly the blocks the model says it holds;
@@ -408,7 +409,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.run_request(data, ns, tokens, lock, reuse)
 
     def run_request(self, data, ns, tokens, lock, reuse, insert=None, release=None):
-        """The caller's side of one request (DESIGN.md "Data flow"), with every result checked."""
+        """The caller's side of one request (match, lock, allocate the rest, insert, release), with every result checked."""
         m = self.do_match(tokens, ns)
         req = Request(ns, tokens)
         self.reqs.append(req)

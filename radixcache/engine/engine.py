@@ -163,9 +163,7 @@ class Engine:
 
     def _enqueue(self, live: Live, tokens: list) -> None:
         request = live.request
-        params = request.params
-        leader = Sequence(live, 0, tokens, len(tokens), self._arrivals,
-                          fork=1 if request.prefill_only else params.n)
+        leader = Sequence(live, 0, tokens, len(tokens), self._arrivals, fork=request.num_samples)
         self._arrivals += 1
         self._init_sampling(leader)
         self._live[request.request_id] = live
@@ -183,7 +181,7 @@ class Engine:
         live = self._live.get(request_id)
         if live is None:
             return []
-        n = 1 if live.request.prefill_only else live.request.params.n
+        n = live.request.num_samples
         stopped = [i for i in (range(n) if sample is None else [sample])
                    if 0 <= i < n and i not in live.finished]
         for seq in self._samples[request_id]:
@@ -238,7 +236,7 @@ class Engine:
             if live is None:
                 continue
             self.scheduler.back_out(self._samples[request_id])  # no retention hint for a failure
-            n = 1 if live.request.prefill_only else live.request.params.n
+            n = live.request.num_samples
             events.extend(Event(request_id, i, None, True, FINISH_ERROR, live.cached_tokens, why)
                           for i in range(n) if i not in live.finished)
             self._forget(request_id)
@@ -306,7 +304,7 @@ class Engine:
         live = seq.live
         live.finished.add(seq.sample)
         request_id = live.request.request_id
-        n = 1 if live.request.prefill_only else live.request.params.n
+        n = live.request.num_samples
         if len(live.finished) == n:
             self._forget(request_id)
         return [Event(request_id, seq.sample, token, True, reason, live.cached_tokens)]

@@ -154,6 +154,11 @@ class Request:
                 raise ValueError(f"retain_s must be >= 0, got {retain}")
             object.__setattr__(self, "retain_s", retain)
 
+    @property
+    def num_samples(self) -> int:
+        """How many samples end with a final event: 1 for a ``prefill_only`` request, else ``n``."""
+        return 1 if self.prefill_only else self.params.n
+
 
 class Event(NamedTuple):
     """What one step did for one sample of a request.
