@@ -9,7 +9,9 @@ and are re-exported here;
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -19,7 +21,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from drift_templates import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK  # noqa: E402
 
-__all__ = ["DRIFT_GENERATION_THINK", "DRIFT_STRIP_THINK", "LiveServer", "Served", "TOOLS_TEMPLATE",
+__all__ = ["DRIFT_GENERATION_THINK", "DRIFT_STRIP_THINK", "LiveServer", "ServeProcess", "Served", "TOOLS_TEMPLATE",
            "embedded_tokenizer", "free_socket", "metric", "tokenizer_with_template", "write_model_dir"]
 
 TOOLS_TEMPLATE = (
@@ -122,6 +124,68 @@ class LiveServer:
         self.thread.join(timeout=30)
         self.sock.close()
         assert not self.thread.is_alive(), "the test server did not stop"
+
+
+class ServeProcess:
+    """The real ``radixcache serve`` command as a subprocess on a free loopback port (offline), started
+    and ready (``GET /health`` 200) when constructed; ``base_url`` is its root and ``output`` what it
+    printed so far (read as it comes). ``wait(timeout)`` waits for its exit code; ``stop()`` kills it
+    if it still runs and returns its whole output."""
+
+    def __init__(self, model_dir, *args: str, startup_s: float = 120.0):
+        import httpx
+
+        with free_socket() as sock:
+            self.port = sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(model_dir),
+                                      "--port", str(self.port), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self._lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + startup_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"radixcache serve exited: {self.stop()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"radixcache serve did not start: {self.stop()}")
+            time.sleep(0.3)
+
+    @property
+    def output(self) -> str:
+        return "".join(self._lines)
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="none", max_retries=0, **kwargs)
+
+    def wait_for_output(self, text: str, timeout: float = 30.0) -> None:
+        """Wait until the process has printed ``text``."""
+        deadline = time.monotonic() + timeout
+        while text not in self.output:
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.output
+            time.sleep(0.02)
+
+    def wait(self, timeout: float) -> int:
+        """The exit code, once it exited (``subprocess.TimeoutExpired`` after ``timeout`` s)."""
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return code
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._reader.join(timeout=10)
+        return self.output
 
 
 def scripted_llama_class():

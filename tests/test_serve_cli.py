@@ -1,11 +1,9 @@
 """``radixcache serve`` as a user runs it: options, a real process on a free port, a clean stop."""
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -13,7 +11,7 @@ import pytest
 from radixcache.cli import build_parser
 from radixcache.integrations.serve.options import ServeOptions
 from radixcache.integrations.serve.server import build_state
-from serve_helpers import DRIFT_GENERATION_THINK, free_socket, write_model_dir
+from serve_helpers import DRIFT_GENERATION_THINK, ServeProcess, write_model_dir
 
 
 def parse(*argv) -> argparse.Namespace:
@@ -60,39 +58,20 @@ def test_options_are_read_and_checked(tmp_path, monkeypatch):
 
 def test_radixcache_serve_runs_and_stops_on_ctrl_c(tmp_path):
     """The real command: loads the weights, answers a chat completion, stops cleanly on Ctrl-C."""
-    import openai
-
     model = write_model_dir(tmp_path / "tiny", weights=True)
-    with free_socket() as sock:
-        port = sock.getsockname()[1]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(model),
-                             "--port", str(port), "--max-cache-tokens", "4096", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    server = ServeProcess(model, "--max-cache-tokens", "4096", "--log-level", "warning")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline, "radixcache serve did not start"
-                time.sleep(0.3)
-        assert health.status_code == 200
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+        models = httpx.get(server.base_url + "/v1/models", timeout=5)
         assert models.json()["data"][0]["id"] == "tiny"
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as client:
+        with server.client() as client:
             reply = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0,
                                                    messages=[{"role": "user", "content": "Hello"}])
         assert reply.usage.completion_tokens >= 1 and reply.usage.prompt_tokens_details.cached_tokens == 0
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=30)
+        server.proc.send_signal(signal.SIGINT)
+        code = server.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, output
+        output = server.stop()
+    assert code == 0, output
     assert "Traceback" not in output, output
 
 

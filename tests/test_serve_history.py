@@ -6,8 +6,8 @@ import pytest
 from radixcache.demo import build_system_prompt
 from radixcache.integrations.serve import history as H
 from radixcache.integrations.serve.chat_template import ChatRenderer
-from radixcache.integrations.serve.history import (HistoryIndex, classify_hit, common_prefix,
-                                                   history_after_reply, history_tokens)
+from radixcache.integrations.serve.history import (classify_hit, common_prefix, history_after_reply,
+                                                   history_tokens)
 from radixcache.integrations.serve.responses import assistant_message, tool_call_objects
 from radixcache.integrations.serve.tool_calls import format_tool_call, parse_tool_calls
 from serve_helpers import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK, TOOLS_TEMPLATE, embedded_tokenizer
@@ -141,7 +141,7 @@ def test_template_without_a_next_message_falls_back_to_the_conversation_alone():
     assert history_tokens(renderer, conversation) == alone[:-1]
 
 
-# ---------------------------------------------------------------------- classify_hit, HistoryIndex
+# ---------------------------------------------------------------------- classify_hit
 def test_classify_hit():
     history = tuple(range(100))
     following = history + (500, 501, 502)
@@ -157,21 +157,5 @@ def test_classify_hit():
     assert classify_hit(history, following, 32, 16, computed=99) == (H.EVICTED, 96, 32)
 
 
-def test_history_index_finds_the_previous_turn_per_salt():
-    index = HistoryIndex(capacity=3, min_shared=4)
-    a, b = tuple(range(50)), tuple(range(30)) + (99,) * 20
-    index.remember(a)
-    index.remember(b)
-    index.remember(a, salt="tenant")
-    index.remember((1, 2))  # shorter than min_shared: not kept
-    index.remember(b, computed=12)
-    assert index.computed(b) == 12 and index.computed(a) is None and index.computed(a + (1,)) is None
-    assert len(index) == 3
-    assert index.previous(a + (7, 8)) == a
-    assert index.previous(b + (7,)) == b
-    assert index.previous(a + (7,), salt="tenant") == a
-    assert index.previous(a, salt="other") is None
-    assert index.previous((5, 6, 7, 8, 9)) is None  # starts differently
-    index.remember(tuple(range(200, 260)))  # capacity 3: the oldest (a, no salt) goes
-    assert index.previous(a + (7,)) == b  # b shares 30 tokens with it; a is gone
+def test_common_prefix_of_token_runs():
     assert common_prefix((1, 2, 3), (1, 2, 4)) == 2 and common_prefix((), (1,)) == 0

@@ -119,6 +119,8 @@ def test_completions_errors(server, client):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="tiny-smol", prompt=prompt)
         assert words in info.value.body["message"]
+    assert_error(post(server, "/v1/completions", body={"prompt": [5, 10 ** 6]}), 400, "prompt",
+                 words="token id 1000000 is outside the vocabulary")
     assert_error(post(server, "/v1/completions", body={"prompt": "x", "echo": True}), 400, words="echo")
     assert_error(post(server, "/v1/completions", content=b"nope"), 400, words="not valid JSON")
 

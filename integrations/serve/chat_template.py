@@ -71,7 +71,9 @@ class ChatRenderer:
     """Renders OpenAI-shaped message dicts into a ``RenderedPrompt``; see the module docstring.
 
     ``native_tools``: the template reads ``tools``; ``native_tool_calls``: it reads ``tool_calls``;
-    ``tool_role``: it renders a message of role ``tool``.
+    ``tool_role``: it renders a message of role ``tool``; ``splitting_specials``: the texts of the
+    special tokens that cut a text in two for the tokenizer (the tokens before one never depend on
+    what follows it).
     """
 
     def __init__(self, tokenizer, chat_template: str | None = None):
@@ -80,6 +82,7 @@ class ChatRenderer:
         self.native_tools = _reads_variable(self.template, "tools")
         self.native_tool_calls = "tool_calls" in self.template
         self.tool_role = self._renders_tool_role()
+        self.splitting_specials = _splitting_specials(tokenizer)
 
     # ------------------------------------------------------------------ public
     def render(self, messages: list[dict], tools: list[dict] | None = None,
@@ -156,3 +159,12 @@ def _template_call(call: dict) -> dict:
     except (TypeError, ValueError):
         pass
     return {"id": call.get("id"), "type": call.get("type", "function"), "function": function}
+
+
+def _splitting_specials(tokenizer) -> tuple:
+    """Texts of the tokenizer's special added tokens that strip no whitespace and are not
+    normalized: the tokenizer splits them out first, so they cut a text in two."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return tuple(t.content for t in added.values()
+                 if getattr(t, "special", False) and t.content
+                 and not any(getattr(t, flag, False) for flag in ("lstrip", "rstrip", "single_word", "normalized")))

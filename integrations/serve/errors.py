@@ -66,10 +66,10 @@ def queue_full(limit: int) -> APIError:
                     type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
 
 
-def unavailable(message: str) -> APIError:
-    """503: the server cannot generate right now (no engine attached, engine stopped or overloaded)."""
-    return APIError(503, message, type="server_error", code="unavailable",
-                    headers={"Retry-After": "1"})
+def unavailable(message: str, code: str = "unavailable") -> APIError:
+    """503: the server cannot generate right now (no engine attached, engine stopped or overloaded,
+    the server shutting down: ``code`` "server_shutting_down")."""
+    return APIError(503, message, type="server_error", code=code, headers={"Retry-After": "1"})
 
 
 def internal(message: str) -> APIError:

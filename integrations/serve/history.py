@@ -13,13 +13,17 @@ computed, and where and why the two part (``Divergence``). The server then compu
 the cache at low priority while the client runs its tool.
 
 ``classify_hit`` is the check on the next request: did its cache hit reach as far as the previous
-turn's history form, and if not, why. ``HistoryIndex`` remembers recent history forms to find the
-previous turn of a request.
+turn's history form, and if not, why. ``history_index.HistoryIndex`` remembers recent history forms
+to find the previous turn of a request.
+
+Cost: the history form takes one template render and one tokenization of the conversation (the
+next message's content is a marker the rendered text is cut at; only the text after the last special
+token, a few tokens, is tokenized again with each probe content), plus, only when the form departs
+from the prompt's own tokens, one more render to say why: at most two passes.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import NamedTuple
 
 from radixcache.integrations.serve.chat_template import ChatRenderer, RenderError
@@ -41,6 +45,9 @@ NOT_PRECOMPUTED = "not_precomputed"  # it does, but the history form past the co
 # Next-message contents that differ at their first character, and start with the kinds of characters
 # a tokenizer may merge with what comes before them (a letter, a digit, space, newline, punctuation).
 _PROBES = ("A", "z", "7", " x", "\nx", "<x", "{")
+# The next message's content while rendering: the text is cut where it appears (no whitespace, so
+# that a template's trim keeps it; nothing a template would escape).
+_MARKER = "RADIXCACHE_NEXT_MESSAGE_CONTENT_7f3a"
 
 
 class Divergence(NamedTuple):
@@ -80,20 +87,34 @@ def _next_message(role: str, content: str) -> dict:
 def history_tokens(renderer: ChatRenderer, conversation: list[dict], tools=None) -> tuple:
     """Token ids every continuation of ``conversation`` (which ends with the reply) starts with.
 
-    The conversation is rendered with a next message (a tool result after a reply with tool calls,
-    else a user message) under several contents that differ at their first character; the common
-    token prefix is the history form, the next message's role header included. If the template refuses
-    that, the conversation is rendered alone and its last token dropped (it may merge with what
-    follows).
+    The conversation is rendered once with a next message (a tool result after a reply with tool
+    calls, else a user message) whose content is a marker; the text before the marker is what every
+    next message follows. Its tokens, up to where a next content could merge with them, are the
+    history form: the text after its last special token is tokenized with several contents that
+    differ at their first character, and their common token prefix is kept (the text before a
+    special token tokenizes the same whatever follows it). If the template refuses the next message,
+    or writes the content other than verbatim, the conversation is rendered alone and its last token
+    dropped (it may merge with what follows).
     """
     role = "tool" if conversation and conversation[-1].get("tool_calls") else "user"
     try:
-        first, *others = (renderer.render(conversation + [_next_message(role, c)], tools).token_ids
-                          for c in _PROBES)
-        return first[:min(common_prefix(first, other) for other in others)]
+        text = renderer.render_text(conversation + [_next_message(role, _MARKER)], tools)
+        at = text.find(_MARKER)
+        if at < 0 or text.find(_MARKER, at + 1) >= 0:
+            raise RenderError("the template does not write the next message's content verbatim")
     except RenderError:
         alone = renderer.render(conversation, tools, add_generation_prompt=False).token_ids
         return alone[:-1]
+    before = text[:at]
+    cut = max(0, _last_special_start(renderer, before))
+    head = tuple(renderer.tokenize(before[:cut])) if cut else ()
+    tail, *others = (renderer.tokenize(before[cut:] + probe) for probe in _PROBES)
+    return head + tuple(tail[:min(common_prefix(tail, other) for other in others)])
+
+
+def _last_special_start(renderer: ChatRenderer, text: str) -> int:
+    """Where the last special token that cuts the text starts in ``text`` (0: none)."""
+    return max((text.rfind(special) for special in renderer.splitting_specials), default=0)
 
 
 def history_after_reply(renderer: ChatRenderer, messages: list[dict], tools, prompt_ids,
@@ -169,48 +190,3 @@ def classify_hit(history_ids, prompt_ids, cached_tokens: int, block_size: int,
         never = computed is not None and computed // block_size * block_size < expected
         return ShortHit(NOT_PRECOMPUTED if never else EVICTED, expected, cached_tokens)
     return None
-
-
-class HistoryIndex:
-    """The most recent history forms (at most ``capacity``), found again by the next turn's prompt.
-
-    ``remember(ids, salt, computed)`` stores a history form under its tenant salt (``computed``: how
-    many of its leading tokens were computed, when no precompute covers the rest; None: all of
-    them); ``previous(prompt, salt)`` returns the stored one sharing the longest prefix with
-    ``prompt`` (at least ``min_shared`` tokens), or None; ``computed(ids, salt)`` what was given
-    for it. Entries are keyed by their first ``min_shared`` tokens, so a lookup compares
-    only conversations that start alike; the least recently stored go first.
-    """
-
-    def __init__(self, capacity: int = 1024, min_shared: int = 16):
-        self.capacity = capacity
-        self.min_shared = min_shared
-        self._entries: OrderedDict = OrderedDict()  # (salt, head, ids) -> computed, oldest first
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def remember(self, history_ids, salt: str | None = None, computed: int | None = None) -> None:
-        ids = tuple(history_ids)
-        if len(ids) < self.min_shared:
-            return
-        key = (salt, ids[:self.min_shared], ids)
-        self._entries.pop(key, None)
-        self._entries[key] = computed
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
-
-    def previous(self, prompt_ids, salt: str | None = None) -> tuple | None:
-        head = tuple(prompt_ids[:self.min_shared])
-        best, best_len = None, self.min_shared - 1
-        for s, h, ids in reversed(self._entries):
-            if s == salt and h == head:
-                shared = common_prefix(ids, prompt_ids)
-                if shared > best_len:
-                    best, best_len = ids, shared
-        return best
-
-    def computed(self, history_ids, salt: str | None = None) -> int | None:
-        """The ``computed`` remembered with ``history_ids`` (None: all of it, or not stored)."""
-        ids = tuple(history_ids)
-        return self._entries.get((salt, ids[:self.min_shared], ids))

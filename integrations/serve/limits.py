@@ -56,14 +56,6 @@ def resolve_model(requested: str | None, served_names) -> str:
     return requested
 
 
-def check_token_ids(ids, vocab_size: int) -> None:
-    """400 unless every id of a token-id prompt is inside the vocabulary ``0..vocab_size-1``."""
-    bad = next((t for t in ids if t >= vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"prompt: token id {bad} is outside the vocabulary 0..{vocab_size - 1}",
-                          param="prompt")
-
-
 def max_new_tokens(prompt_tokens: int, requested: int | None, max_context: int,
                    pool_tokens: int | None) -> int:
     """How many tokens a request may generate; raises ``APIError`` 400 when it cannot be served.

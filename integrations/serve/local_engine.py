@@ -10,12 +10,13 @@ Threading model (the contract is ``engine_client.py``):
   engine's inbox lock briefly and never wait on a forward, then notifies the condition. Requests
   added between steps join the running batch at the next one.
 - Events go back by request id: per step, one ``loop.call_soon_threadsafe`` per request puts its
-  ``TokenEvent``s into that request's ``asyncio.Queue`` (unbounded: the thread never waits on a
+  engine ``Event``s into that request's ``asyncio.Queue`` (unbounded: the thread never waits on a
   reader, and the events of a reader that went away are dropped with its route).
 - With a shared store, ``manager.prefetch`` (network) runs on a small thread pool before the
   request is handed to the engine, so the scheduler thread never waits on the store.
 
-How a server request maps to the engine's, and the way its events go back, is ``routing.py``.
+Requests are the engine's own ``Request`` (built by ``job.py``); the way their events go back is
+``routing.py``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from radixcache.engine import Request
 from radixcache.errors import OutOfBlocks
-from radixcache.integrations.serve.engine_client import (EngineCounts, EngineLimits, EngineOverloaded,
-                                                         EngineRequest)
-from radixcache.integrations.serve.routing import Route, engine_request
+from radixcache.integrations.serve.engine_client import EngineCounts, EngineLimits, EngineOverloaded
+from radixcache.integrations.serve.routing import Route
 from radixcache.integrations.serve.state import context_length
 from radixcache.store import STORE_COUNTERS
 
@@ -67,7 +67,7 @@ class LocalEngine:
         self._lock = threading.Lock()  # guards _routes and every route's open/added/aborted
         self._wake = threading.Condition()
         self._closing = False
-        self._closed = False
+        self._close_task = None
         self._prefetch = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="radixcache-prefetch")
         self._thread = threading.Thread(target=self._run, name="radixcache-scheduler", daemon=True)
         self._thread.start()
@@ -77,19 +77,16 @@ class LocalEngine:
         """The model's context, the pool's size in tokens and the block size."""
         return self._limits
 
-    def submit(self, request: EngineRequest):
-        """Check and enqueue ``request`` now; return its event stream (see ``engine_client``)."""
+    def submit(self, request: Request):
+        """Check and enqueue ``request`` (an engine ``Request``) now; return its event stream (see
+        ``engine_client``)."""
         if self._closing:
             raise EngineOverloaded("the engine is shutting down")
-        if not isinstance(request, EngineRequest):
-            raise TypeError(f"expected an EngineRequest, got {type(request).__name__}")
         try:
-            native = engine_request(request)
-            self.engine.check(native)
+            self.engine.check(request)
         except OutOfBlocks as exc:
             raise ValueError(str(exc)) from None
-        fanout = not request.prefill_only and native.params.n < request.params.n
-        route = Route(request, asyncio.get_running_loop(), fanout)
+        route = Route(request, asyncio.get_running_loop())
         with self._lock:
             if request.request_id in self._routes:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -98,31 +95,24 @@ class LocalEngine:
             self._routes[request.request_id] = route
         if self.manager.store is not None:
             namespace = self.lm.namespace(request.cache_salt)
-            self._prefetch.submit(self._prefetch_then_add, route, native, namespace)
+            self._prefetch.submit(self._prefetch_then_add, route, request, namespace)
         else:
-            self._add(route, native)
+            self._add(route, request)
         return self._stream(route)
 
-    def abort(self, request_id, index: int | None = None) -> None:
-        """End sample ``index`` (or the whole request) now; idempotent, a no-op when unknown."""
+    def abort(self, request_id, sample: int | None = None) -> None:
+        """End ``sample`` (or the whole request) now; idempotent, a no-op when unknown."""
         with self._lock:
             route = self._routes.get(request_id)
             if route is None:
                 return
-            if not route.added or route.fanout:
-                # decided here: the engine has not got it yet, or its one sample serves others
-                indices = set(route.open) if index is None else {index}
-                route.push(route.closing(indices, "abort"))
-                whole = not route.open
-                if not route.added:
-                    route.aborted = route.aborted or whole
-                    if whole:
-                        del self._routes[request_id]
-                    return
-                if not whole:
-                    return
-                index = None
-        self.engine.abort(request_id, index)
+            if not route.added:  # decided here: the engine has not got it yet
+                route.push(route.closing(set(route.open) if sample is None else {sample}, "abort"))
+                if not route.open:
+                    route.aborted = True
+                    del self._routes[request_id]
+                return
+        self.engine.abort(request_id, sample)
         self._notify()
 
     @property
@@ -148,9 +138,13 @@ class LocalEngine:
         return {k: v for k, v in self.lm.manager.stats().items() if k in STORE_COUNTERS}
 
     async def close(self) -> None:
-        """Abort everything, stop the scheduler thread (and close ``lm`` when it was asked to)."""
-        if self._closed:
-            return
+        """Abort everything, stop the scheduler thread (and close ``lm`` when it was asked to, which
+        flushes its store). Idempotent: a second call waits for the first."""
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
         self._closing = True
         with self._lock:
             ids = list(self._routes)
@@ -161,32 +155,35 @@ class LocalEngine:
         await loop.run_in_executor(None, self._thread.join)
         # a prefetch still loading holds a lease until it returns: wait for it (bounded by the store)
         await loop.run_in_executor(None, lambda: self._prefetch.shutdown(wait=True, cancel_futures=True))
-        self._closed = True
         if self._close_lm:
-            await loop.run_in_executor(None, self.lm.close)
+            final = await loop.run_in_executor(None, self.lm.close)
+            if final:
+                logger.info("store flushed: %d blocks written, %d dropped, %d errors",
+                            final.get("store_written_blocks", 0), final.get("store_dropped_blocks", 0),
+                            final.get("store_errors", 0))
 
     # ------------------------------------------------------------------ handing over
-    def _prefetch_then_add(self, route: Route, native: Request, namespace) -> None:
+    def _prefetch_then_add(self, route: Route, request: Request, namespace) -> None:
         try:
-            loaded = self.manager.prefetch(native.prompt, namespace)
+            loaded = self.manager.prefetch(request.prompt, namespace)
             if loaded:
-                logger.debug("request %s: %d prompt tokens loaded from the store", native.request_id, loaded)
+                logger.debug("request %s: %d prompt tokens loaded from the store", request.request_id, loaded)
         except Exception:  # noqa: BLE001 - a store problem is a miss, never a failed request
-            logger.exception("request %s: prefetch from the store failed", native.request_id)
-        self._add(route, native)
+            logger.exception("request %s: prefetch from the store failed", request.request_id)
+        self._add(route, request)
 
-    def _add(self, route: Route, native: Request) -> None:
+    def _add(self, route: Route, request: Request) -> None:
         with self._lock:
-            if route.aborted or self._routes.get(native.request_id) is not route:
+            if route.aborted or self._routes.get(request.request_id) is not route:
                 return  # aborted while it was prefetching: its final events went out then
             if self._closing:
-                del self._routes[native.request_id]
+                del self._routes[request.request_id]
                 route.push(route.closing(set(route.open), "abort"))
                 return
             try:
-                self.engine.add(native)
+                self.engine.add(request)
             except (TypeError, ValueError, OutOfBlocks) as exc:  # checked before; cannot happen twice
-                del self._routes[native.request_id]
+                del self._routes[request.request_id]
                 route.push(route.closing(set(route.open), "error", str(exc)))
                 return
             route.added = True
@@ -197,13 +194,13 @@ class LocalEngine:
             self._wake.notify()
 
     async def _stream(self, route: Route):
-        # from the indices, not route.open: the scheduler thread may have closed some already
-        waiting = set(route.indices)
+        # from the samples, not route.open: the scheduler thread may have closed some already
+        waiting = set(route.samples)
         try:
             while waiting:
                 event = await route.queue.get()
-                if event.finish_reason is not None:
-                    waiting.discard(event.index)
+                if event.finished:
+                    waiting.discard(event.sample)
                 yield event
         finally:
             if waiting:  # the reader stopped early (disconnect, cancelled): free the blocks now
@@ -238,7 +235,8 @@ class LocalEngine:
                 route = self._routes.get(event.request_id)
                 if route is None:
                     continue
-                by_route.setdefault(id(route), (route, []))[1].extend(route.translate(event))
+                if route.passed(event):
+                    by_route.setdefault(id(route), (route, []))[1].append(event)
                 if event.finished and not route.open:
                     self._routes.pop(event.request_id, None)
         for route, out in by_route.values():

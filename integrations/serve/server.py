@@ -4,8 +4,9 @@
 chat template, context length, vocabulary, stop ids; no weights) and returns a ``ServerState``;
 ``load_engine(options, info)`` loads the weights, wraps them (``radixcache.wrap``) and returns the
 ``LocalEngine`` (an ``EngineClient``, see ``engine_client.py``) over the wrapper's always-on engine;
-``main(args)`` runs both under uvicorn until interrupted, then closes the engine (and the wrapper,
-which flushes a store).
+``main(args)`` runs both under uvicorn until interrupted: Ctrl-C aborts what runs, ends every
+response, closes the engine (and the wrapper, which flushes a store) and exits within a bound; a
+second Ctrl-C exits at once (``shutdown.py``).
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ def load_engine(options: ServeOptions, info):
 def main(args) -> int:
     """Run the server for parsed ``radixcache serve`` arguments; returns the exit status."""
     try:
-        import uvicorn
-
+        from radixcache.integrations.serve import shutdown
         from radixcache.integrations.serve.app import create_app
     except ModuleNotFoundError as exc:
         print(f"radixcache serve needs {exc.name}: pip install 'radixcache[serve]'", file=sys.stderr)
@@ -74,8 +74,10 @@ def main(args) -> int:
     except (OSError, ValueError) as exc:
         print(f"radixcache serve: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("radixcache serve: interrupted while loading the model", file=sys.stderr)
+        return 130
     logger.info("serving %s as %s on http://%s:%d/v1", state.info.name, ", ".join(state.model_names),
                 options.host, options.port)
-    uvicorn.run(create_app(state), host=options.host, port=options.port,
-                log_level=options.log_level, access_log=False)
+    shutdown.run(create_app(state), state, options)
     return 0

@@ -4,7 +4,9 @@
 directory (never the weights, never a hub) into a ``ModelInfo``. ``ServerState`` bundles it with
 the ``EngineClient`` (None: no engine attached, generation answers 503), the metrics, the
 admission gate, the history index, one worker thread for template rendering and tokenizing (so the
-event loop never waits on it), and the background history precomputes it starts.
+event loop never waits on it; prompts go ahead of history work), and the background tasks it
+starts (history forms and their precomputes). ``shutdown()`` (Ctrl-C, or the app's lifespan)
+aborts what runs, closes the engine and stops the render thread, once.
 """
 
 from __future__ import annotations
@@ -12,17 +14,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 from radixcache.integrations.serve.chat_template import ChatRenderer
-from radixcache.integrations.serve.engine_client import (EngineLimits, EngineOverloaded, EngineRequest,
-                                                         Priority, SamplingParams)
-from radixcache.integrations.serve.history import HistoryIndex
+from radixcache.integrations.serve.engine_client import EngineLimits, EngineOverloaded
+from radixcache.integrations.serve.history_index import HistoryIndex
+from radixcache.integrations.serve.history_work import PendingHistories
+from radixcache.integrations.serve.job import history_request
 from radixcache.integrations.serve.limits import AdmissionGate
 from radixcache.integrations.serve.metrics import ServerMetrics
-from radixcache.integrations.serve.responses import new_id
+from radixcache.integrations.serve.render_thread import RenderThread
 
 logger = logging.getLogger("radixcache.serve")
 
@@ -83,8 +85,10 @@ class ServerState:
         self.attach_engine(engine)
         self.gate = AdmissionGate(options.max_in_flight)
         self.histories = HistoryIndex()
-        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixcache-render")
+        self.pending_histories = PendingHistories()
+        self._render = RenderThread()
         self._background: set = set()
+        self._shutdown_task = None
 
     def attach_engine(self, engine) -> None:
         """Serve generation with ``engine`` (an ``EngineClient``; None: generation answers 503)."""
@@ -101,27 +105,46 @@ class ServerState:
         return EngineLimits(self.info.max_context_tokens, self.options.max_cache_tokens,
                             self.options.block_size)
 
-    async def run_cpu(self, fn, *args):
-        """Run ``fn(*args)`` on the render thread (templates, tokenizing) and await its result."""
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+    @property
+    def stopping(self) -> bool:
+        """``shutdown()`` has begun: what runs is being aborted."""
+        return self._shutdown_task is not None
+
+    async def render(self, fn, *args):
+        """``fn(*args)`` (a template, the tokenizer) on the render thread, ahead of history work."""
+        return await self._render.run(fn, *args)
+
+    async def render_later(self, fn, *args):
+        """``fn(*args)`` on the render thread once no prompt waits for it (history work)."""
+        return await self._render.run_later(fn, *args)
+
+    def spawn(self, coroutine) -> asyncio.Task:
+        """Run ``coroutine`` as a background task of this server (cancelled by ``shutdown``; an
+        exception it raises is logged)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+        return task
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background task failed", exc_info=task.exception())
 
     def precompute(self, token_ids, salt: str | None, retain_s: float | None = None) -> bool:
         """Compute a history form's uncached blocks at low priority (prefill only), in the background;
         ``retain_s``: the request's retention hint, which its history form keeps. Returns whether
         the work was submitted (False: the precompute is off or the engine refused it)."""
-        if self.engine is None or not self.options.history_precompute:
+        if self.engine is None or not self.options.history_precompute or self.stopping:
             return False
-        request = EngineRequest(new_id("history"), tuple(token_ids), SamplingParams(max_new_tokens=1),
-                                salt, Priority.LOW, prefill_only=True, retain_s=retain_s)
+        request = history_request(token_ids, salt, retain_s)
         try:
             stream = self.engine.submit(request)
         except (EngineOverloaded, ValueError) as exc:
             logger.info("history precompute %s not submitted: %s", request.request_id, exc)
             return False
         self.metrics.observe_precompute(len(request.prompt))
-        task = asyncio.get_running_loop().create_task(self._drain(request.request_id, stream))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.spawn(self._drain(request.request_id, stream))
         return True
 
     async def _drain(self, request_id: str, stream) -> None:
@@ -133,12 +156,24 @@ class ServerState:
             self.engine.abort(request_id)
             raise
 
+    def begin_shutdown(self) -> asyncio.Task:
+        """Start ``shutdown()`` now (on the event loop) without waiting for it; idempotent."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.get_running_loop().create_task(self._shutdown())
+        return self._shutdown_task
+
     async def shutdown(self) -> None:
-        """Cancel background precomputes, close the engine, stop the render thread."""
+        """Abort what runs and stop, once: background work is cancelled, the engine closed (every
+        running request ends with "abort", so its response ends at once with a 503 / an error
+        event saying the server is shutting down; a store is flushed), the render thread stopped.
+        A second call waits for the first."""
+        await asyncio.shield(self.begin_shutdown())
+
+    async def _shutdown(self) -> None:
         for task in list(self._background):
             task.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self.engine is not None:
             await self.engine.close()
-        self._cpu.shutdown(wait=False, cancel_futures=True)
+        self._render.close()

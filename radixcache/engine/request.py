@@ -186,11 +186,16 @@ def checked_prompt(request: Request, vocab_size: int, num_blocks: int, block_siz
     if not isinstance(request, Request):
         raise TypeError(f"expected a radixcache.engine.Request, got {type(request).__name__}")
     tokens = list(as_token_tuple(request.prompt))
-    bad = next((t for t in tokens if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"request {request.request_id!r}: token id {bad} is outside the "
-                         f"vocabulary 0..{vocab_size - 1}")
+    check_vocabulary(tokens, vocab_size, f"request {request.request_id!r}")
     if math.ceil(len(tokens) / block_size) + 1 > num_blocks:
         raise OutOfBlocks(f"request {request.request_id!r}: a prompt of {len(tokens)} tokens does not "
                           f"fit a pool of {num_blocks} blocks of {block_size}: raise max_cache_tokens")
     return tokens
+
+
+def check_vocabulary(tokens, vocab_size: int, what: str = "prompt") -> None:
+    """``ValueError`` naming the first id of ``tokens`` (non-negative ints) outside the vocabulary
+    ``0..vocab_size-1``, prefixed with ``what``; the one vocabulary check of a request's prompt."""
+    bad = next((t for t in tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{what}: token id {bad} is outside the vocabulary 0..{vocab_size - 1}")

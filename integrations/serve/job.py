@@ -1,0 +1,137 @@
+"""The one place where a protocol's request becomes the engine's ``Request``, and the ``Job`` around it.
+
+Every protocol adapter (chat completions and completions in ``openai_completions.py``; more
+protocols the same way) turns its request schema into the same three things and hands them to
+``new_job``:
+
+- the prompt's token ids: for a chat, ``render_conversation`` makes them from the one internal
+  ``Conversation`` (OpenAI-shaped message and tool dicts) through the chat template, on the render
+  thread;
+- the sampling settings, in OpenAI's meaning: ``temperature`` 0 is greedy (``top_p`` / ``top_k``
+  then do nothing), ``max_tokens`` None means up to the context, ``seed`` any int, ``n`` choices
+  (greedy choices are all the same, so the engine computes one sample and the ``Job`` copies it:
+  ``fanout``), ``stop`` strings (the server cuts the text; the engine knows only stop ids);
+- the session hints: the API key (the tenant salt under ``--isolate-cache-by-key``) and the
+  retention hint in seconds (``prompt_cache_key`` / ``prompt_cache_retention`` in chat).
+
+``new_job`` checks what no field check can (the prompt against the context, the KV pool and the
+vocabulary: 400s that name the problem) and builds the engine's ``radixcache.engine.Request``, the
+one request type from here to the scheduler; ``SamplingParams`` and ``Request`` check themselves.
+``history_request`` builds the only other request the server sends: a history form's prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from radixcache.engine import Request, SamplingParams
+from radixcache.engine.request import check_vocabulary
+from radixcache.integrations.serve.chat_template import RenderedPrompt, RenderError
+from radixcache.integrations.serve.errors import bad_request
+from radixcache.integrations.serve.limits import max_new_tokens, tenant_salt
+from radixcache.integrations.serve.responses import new_id
+
+SEED_RANGE = 2**63  # a request's seed (any int) is reduced to the engine's non-negative range
+
+
+class Conversation(NamedTuple):
+    """A chat in the one internal form every protocol renders: OpenAI-shaped message dicts (roles
+    system, user, assistant with ``tool_calls``, tool) and OpenAI tool dicts (or None)."""
+
+    messages: list
+    tools: list | None = None
+
+
+@dataclass
+class Job:
+    """A validated request, ready for the engine: its ``Request`` and what the server does around it.
+
+    ``protocol`` names the adapter ("chat", "completion", ...); ``choices`` how many choices the
+    answer has (``fanout``: one greedy engine sample stands for all of them); ``conversation`` is
+    set for a chat (its reply's history form is precomputed); ``parse_tools``: tool calls are
+    parsed out of the reply. ``arrival`` starts the TTFT clock.
+    """
+
+    protocol: str
+    model: str
+    request: Request
+    choices: int = 1
+    stop_strings: tuple = ()
+    stream: bool = False
+    include_usage: bool = False
+    conversation: Conversation | None = None
+    parse_tools: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+
+    @property
+    def request_id(self) -> str:
+        """The engine request's id, which is also the response's id."""
+        return self.request.request_id
+
+    @property
+    def prompt_ids(self) -> tuple:
+        return self.request.prompt
+
+    @property
+    def salt(self) -> str | None:
+        return self.request.cache_salt
+
+    @property
+    def fanout(self) -> bool:
+        """One engine sample is copied into every choice (greedy ``n`` > 1)."""
+        return self.choices > self.request.num_samples
+
+
+def salt_of(state, api_key: str | None) -> str | None:
+    """The tenant salt of a request made with ``api_key`` (None unless ``--isolate-cache-by-key``)."""
+    return tenant_salt(api_key, state.options.isolate_cache_by_key)
+
+
+async def render_conversation(state, conversation: Conversation, api_key: str | None = None) -> RenderedPrompt:
+    """The prompt the chat template makes of ``conversation`` (on the render thread, ahead of any
+    history work; a template that refuses it is a 400 on ``messages``), once the history work of the
+    conversation it continues (the client came back before it was done) is done."""
+    try:
+        prompt = await state.render(state.renderer.render, conversation.messages, conversation.tools)
+    except RenderError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    await state.pending_histories.wait_for(conversation, salt_of(state, api_key))
+    return prompt
+
+
+def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api_key: str | None = None,
+            max_tokens: int | None = None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+            n: int = 1, seed: int | None = None, stop=(), stream: bool = False, include_usage: bool = False,
+            retain_s: float | None = None, conversation: Conversation | None = None,
+            parse_tools: bool = False) -> Job:
+    """The ``Job`` for a prompt and its settings (see the module docstring); raises ``APIError`` 400
+    naming what cannot be served (the response id is ``id_prefix-<hex>``)."""
+    limits = state.limits
+    prompt_ids = tuple(prompt_ids)
+    try:
+        check_vocabulary(prompt_ids, state.info.vocab_size)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="prompt") from None
+    budget = max_new_tokens(len(prompt_ids), max_tokens, limits.max_context_tokens, limits.pool_tokens)
+    greedy = temperature == 0
+    try:
+        params = SamplingParams(max_new_tokens=budget, do_sample=not greedy,
+                                temperature=1.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                top_k=0 if greedy else top_k, n=1 if greedy else n,
+                                seed=None if seed is None else seed % SEED_RANGE,
+                                stop_token_ids=state.info.stop_token_ids)
+        request = Request(new_id(id_prefix), prompt_ids, params,
+                          cache_salt=salt_of(state, api_key), retain_s=retain_s)
+    except (TypeError, ValueError) as exc:
+        raise bad_request(str(exc)) from None
+    return Job(protocol, model, request, n, tuple(stop), stream, include_usage, conversation, parse_tools)
+
+
+def history_request(token_ids, salt: str | None, retain_s: float | None) -> Request:
+    """The engine request that computes a history form's uncached blocks into the cache: prefill
+    only (behind every normal request unless one waits on its blocks), the reply's tenant salt and
+    retention hint."""
+    return Request(new_id("history"), tuple(token_ids), SamplingParams(max_new_tokens=1), cache_salt=salt,
+                   prefill_only=True, retain_s=retain_s)

@@ -1,0 +1,93 @@
+"""The OpenAI chat-completions and completions protocols, as adapters over ``job`` and ``generation``.
+
+Each is a thin adapter: its request model (``protocol.py``) -> the internal ``Conversation`` or a
+prompt -> ``job.new_job`` (the engine's ``Request``), and ``generation.deltas()`` -> OpenAI's JSON
+body or SSE chunks (``responses.py``). ``respond.respond`` runs the job either way.
+
+Streams follow OpenAI: a first chunk with the assistant role, one chunk per delta, the usage on the
+chunk that finishes the last choice (or, with ``stream_options.include_usage``, on a last chunk
+with no choices), then ``data: [DONE]``. An error once the stream has started (a failed step, the
+server shutting down) is sent as one ``{"error": ...}`` event before ``[DONE]``, which the
+``openai`` client raises as an ``APIError`` with that message.
+"""
+
+from __future__ import annotations
+
+from radixcache.integrations.serve import responses as R
+from radixcache.integrations.serve.errors import APIError
+from radixcache.integrations.serve.job import Conversation, Job, new_job, render_conversation
+from radixcache.integrations.serve.limits import resolve_model
+
+
+def _settings(req, key) -> dict:
+    """The sampling settings and session hints shared by both protocols, for ``new_job``."""
+    return dict(api_key=key, max_tokens=req.max_new_tokens, temperature=req.effective_temperature,
+                top_p=req.effective_top_p, n=req.n, seed=req.seed, stop=req.stop_strings, stream=req.stream,
+                include_usage=req.include_usage, retain_s=req.retain_s)
+
+
+async def chat_job(state, req, key: str | None) -> Job:
+    """The job of a validated ``ChatCompletionRequest`` (its messages through the chat template)."""
+    model = resolve_model(req.model, state.model_names)
+    conversation = Conversation([m.model_dump(exclude_none=True) for m in req.messages],
+                                [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
+    prompt = await render_conversation(state, conversation, key)
+    return new_job(state, "chat", model, prompt.token_ids, id_prefix="chatcmpl", conversation=conversation,
+                   parse_tools=req.parses_tool_calls, **_settings(req, key))
+
+
+async def completion_job(state, req, key: str | None) -> Job:
+    """The job of a validated ``CompletionRequest`` (a text prompt is tokenized as it is)."""
+    model = resolve_model(req.model, state.model_names)
+    if isinstance(req.prompt, str):
+        ids = await state.render(lambda: state.tokenizer(req.prompt)["input_ids"])
+    else:
+        ids = req.prompt
+    return new_job(state, "completion", model, ids, id_prefix="cmpl", **_settings(req, key))
+
+
+def _usage(generation) -> dict:
+    return R.usage(len(generation.job.prompt_ids), generation.completion_tokens, generation.cached_tokens)
+
+
+def body(generation) -> dict:
+    """The JSON body of a finished chat completion or completion."""
+    job, created = generation.job, R.now()
+    if job.protocol == "chat":
+        choices = [R.chat_choice(i, c.message(), c.finish) for i, c in enumerate(generation.choices)]
+        return R.chat_completion(generation.request_id, created, job.model, choices, _usage(generation))
+    choices = [R.text_choice(i, c.content, c.finish) for i, c in enumerate(generation.choices)]
+    return R.completion(generation.request_id, created, job.model, choices, _usage(generation))
+
+
+async def chunks(generation):
+    """The SSE text of a streamed chat completion or completion (see the module docstring)."""
+    job, created, rid = generation.job, R.now(), generation.request_id
+    chat = job.protocol == "chat"
+
+    def chunk(choices, usage_=None):
+        if chat:
+            return R.sse(R.chat_chunk(rid, created, job.model, choices, usage_, usage_null=job.include_usage))
+        return R.sse(R.completion(rid, created, job.model, choices, usage_, usage_null=job.include_usage))
+
+    try:
+        if chat:
+            yield chunk([R.delta_choice(i, {"role": "assistant", "content": ""}) for i in range(job.choices)])
+        async for d in generation.deltas():
+            last = d.finish_reason is not None and generation.finished
+            usage_ = _usage(generation) if last and not job.include_usage else None
+            if chat:
+                delta = {"content": d.content} if d.content else {}
+                if d.tool_calls:
+                    delta["tool_calls"] = R.tool_call_deltas(d.tool_calls)
+                yield chunk([R.delta_choice(d.index, delta, d.finish_reason)], usage_)
+            else:
+                yield chunk([R.text_choice(d.index, d.content, d.finish_reason)], usage_)
+        if job.include_usage:
+            yield (R.sse(R.chat_chunk(rid, created, job.model, [], _usage(generation))) if chat
+                   else R.sse(R.completion(rid, created, job.model, [], _usage(generation))))
+        yield R.SSE_DONE
+    except APIError as exc:
+        generation.state.metrics.observe_rejected(exc.status)
+        yield R.sse(exc.body())
+        yield R.SSE_DONE

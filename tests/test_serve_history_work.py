@@ -1,0 +1,201 @@
+"""The history work after a reply is off the critical path: the final chunk (and the JSON body) goes
+out before the history form is rendered, history work waits behind incoming prompts on the render
+thread, it renders the conversation at most twice, and a client that comes back before it is done
+still hits its whole previous conversation."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from radixcache.demo import build_system_prompt
+from radixcache.integrations.serve.chat_template import ChatRenderer
+from radixcache.integrations.serve.history import history_after_reply
+from radixcache.integrations.serve.history_index import HistoryIndex
+from radixcache.integrations.serve.render_thread import RenderThread
+from radixcache.integrations.serve.responses import assistant_message
+from serve_helpers import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK, Served, embedded_tokenizer, write_model_dir
+
+BS = 16
+SYSTEM = "You are a helpful agent. Answer briefly and precisely. " * 3
+REPLY = "Step one is done: I looked at it closely, found two small issues and fixed them both."
+
+
+class GatedHistory:
+    """Holds every rendering of a conversation that contains ``reply`` (only the history work renders
+    one: the prompt never holds its own reply) until ``open()``; ``entered`` once one started."""
+
+    def __init__(self, renderer, monkeypatch, reply: str):
+        self.gate, self.entered, self.reply = threading.Event(), threading.Event(), reply
+        real = renderer.render_text
+
+        def render_text(messages, tools=None, add_generation_prompt=True):
+            if any(m.get("role") == "assistant" and self.reply in (m.get("content") or "") for m in messages):
+                self.entered.set()
+                assert self.gate.wait(60), "the gate was never opened"
+            return real(messages, tools, add_generation_prompt)
+
+        monkeypatch.setattr(renderer, "render_text", render_text)
+
+    def open(self):
+        self.gate.set()
+
+
+class HeldHistoryWork:
+    """Holds the history work before it renders (without holding the render thread) until ``open()``."""
+
+    def __init__(self, state, monkeypatch):
+        self.gate, self.entered = threading.Event(), threading.Event()
+        real = state.render_later
+
+        async def render_later(fn, *args):
+            self.entered.set()
+            while not self.gate.is_set():
+                await asyncio.sleep(0.01)
+            return await real(fn, *args)
+
+        monkeypatch.setattr(state, "render_later", render_later)
+
+    def open(self):
+        self.gate.set()
+
+
+@pytest.fixture
+def served(tmp_path, request):
+    template = getattr(request, "param", None)
+    server = Served(write_model_dir(tmp_path / "tiny-smol", max_positions=2048, chat_template=template,
+                                    weights=True))
+    yield server
+    server.stop()
+
+
+def ask(served, messages, stream: bool, timeout: float = 20.0) -> tuple[str, int]:
+    """(reply text, cached tokens) of one greedy request, read to its very end (``[DONE]``)."""
+    body = {"model": "tiny-smol", "messages": messages, "max_tokens": 64, "temperature": 0}
+    if not stream:
+        out = httpx.post(served.base_url + "/v1/chat/completions", json=body, timeout=timeout).json()
+        return out["choices"][0]["message"]["content"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    import json
+
+    text, cached, done = "", None, False
+    with httpx.stream("POST", served.base_url + "/v1/chat/completions", timeout=timeout,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+                if chunk.get("usage"):
+                    cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert done
+    return text, cached
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_final_chunk_goes_out_before_the_history_form_is_rendered(served, monkeypatch, stream):
+    gated = GatedHistory(served.state.renderer, monkeypatch, REPLY)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Go."}]
+    served.say(messages, REPLY)
+    try:
+        text, _ = ask(served, messages, stream)  # before the fix: no final chunk while the gate holds
+        assert text == REPLY
+        assert not gated.gate.is_set() and len(served.state.histories) == 0  # its history form is not done
+    finally:
+        gated.open()
+    deadline = time.monotonic() + 30
+    while len(served.state.histories) == 0:  # the history work finishes in the background
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert gated.entered.is_set()
+
+
+@pytest.mark.parametrize("served", [DRIFT_STRIP_THINK], indirect=True)
+def test_a_client_back_before_the_history_work_still_hits_the_whole_conversation(served, monkeypatch):
+    """The reasoning is dropped from the reply's history form, so only the precompute makes it a hit:
+    the next request of the same conversation waits for that work; another conversation does not."""
+    reply = "<think>\nThe user wants step one. Let me check.\n</think>\n" + REPLY
+    gated = HeldHistoryWork(served.state, monkeypatch)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Go."}]
+    served.say(messages, reply)
+    try:
+        assert ask(served, messages, stream=True)[0] == reply
+        following = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Next."}]
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(out=ask(served, following, False, timeout=60)))
+        thread.start()
+        assert gated.entered.wait(30)
+        other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Another session."}]
+        served.model.script = {}
+        ask(served, other, stream=False)  # not its conversation: it does not wait for the gate
+        assert "out" not in result  # the next turn waits for its conversation's history work
+    finally:
+        gated.open()
+    thread.join(60)
+    _, cached = result["out"]
+    history = served.state.histories.previous(served.render(following))
+    assert history is not None
+    assert cached >= min(len(history), len(served.render(following)) - 1) // BS * BS  # the whole form
+
+
+def test_prompts_go_ahead_of_history_work_on_the_render_thread():
+    thread, order, hold = RenderThread(), [], threading.Event()
+
+    async def run():
+        first = asyncio.ensure_future(thread.run(hold.wait))  # occupies the thread
+        await asyncio.sleep(0.05)
+        later = [asyncio.ensure_future(thread.run_later(order.append, f"history {i}")) for i in range(3)]
+        await asyncio.sleep(0.05)
+        prompt = asyncio.ensure_future(thread.run(order.append, "prompt"))
+        await asyncio.sleep(0.05)
+        assert thread.queued == (1, 3)
+        hold.set()
+        await asyncio.gather(first, prompt, *later)
+        with pytest.raises(ZeroDivisionError):  # an exception comes back to the caller
+            await thread.run_later(lambda: 1 / 0)
+
+    asyncio.run(run())
+    thread.close()
+    assert order == ["prompt", "history 0", "history 1", "history 2"]
+
+
+class CountingRenderer(ChatRenderer):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.renders = 0
+
+    def render_text(self, *args, **kwargs):
+        self.renders += 1
+        return super().render_text(*args, **kwargs)
+
+
+@pytest.mark.parametrize("template,renders", [(None, 1), (DRIFT_GENERATION_THINK, 2), (DRIFT_STRIP_THINK, 1)])
+def test_the_history_form_takes_at_most_two_renders(template, renders):
+    renderer = CountingRenderer(embedded_tokenizer(), template)
+    system, _ = build_system_prompt(embedded_tokenizer(), 1500)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Weather in Berlin?"}]
+    prompt = renderer.render(messages).token_ids
+    text = ("<think>\nshort\n</think>\n" if template == DRIFT_STRIP_THINK else "") + REPLY
+    generated = list(embedded_tokenizer()(text, add_special_tokens=False)["input_ids"]) + [2]
+    renderer.renders = 0
+    history = history_after_reply(renderer, messages, None, prompt, generated, assistant_message(text, None))
+    assert renderer.renders == renders  # one for the form; one more only to explain a departure in the prompt
+    assert (history.divergence is None) == (template is None)
+
+
+def test_finding_the_previous_turn_among_many_sessions_walks_the_prompt_once(monkeypatch):
+    """1,000 sessions behind one 1,500-token system prompt: the lookup compares the prompt against a
+    few trie edges, not against every stored form (the old index made one common-prefix scan per
+    form); checked by counting the comparisons."""
+    import radixcache.integrations.serve.history_index as module
+
+    system = tuple(range(5000, 6500))
+    index = HistoryIndex()
+    for s in range(1000):
+        index.remember(system + (s, s + 1) * 50)
+    calls, real = [], module.common_prefix
+    monkeypatch.setattr(module, "common_prefix", lambda a, b: calls.append(1) or real(a, b))
+    assert index.previous(system + (7, 8) * 50 + (1, 2, 3)) == system + (7, 8) * 50
+    assert len(calls) <= 3
