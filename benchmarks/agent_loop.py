@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Agent-loop benchmark: TTFT, decode speed, time and KV memory of multi-turn generation.
 
-Model: the embedded SmolLM2-135M-Instruct (``radixcache.models.load_model``), fp32, on CPU, greedy,
+Model: the embedded SmolLM2-135M-Instruct (``radixcache.models.load_model``) on CPU in ``--dtype``
+(default auto: bfloat16 where the CPU has native bf16 matrix units, float32 elsewhere; every system
+runs the same model object, so all at that one dtype, printed in the header), greedy,
 exactly ``new_tokens`` generated per call (the model's EOS is disabled for the run so every system
 generates the same number of tokens).
 
@@ -261,6 +263,10 @@ def main(argv=None, load_model=None, config: Config | None = None,
     parser.add_argument("--skip-cb", action="store_true",
                         help="do not run (c), transformers' continuous batching")
     parser.add_argument("--seed", type=int, default=0)
+    from radixcache.models import DTYPE_CHOICES
+
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="the model's dtype for every system (default auto: radixcache.models.default_dtype)")
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS + ("floor",)]
@@ -286,7 +292,10 @@ def main(argv=None, load_model=None, config: Config | None = None,
     started = time.perf_counter()
     cpu_started = time.process_time()
     if load_model is None:
-        from radixcache.models import load_model
+        from radixcache.models import load_model as load_embedded
+
+        def load_model():
+            return load_embedded(dtype=args.dtype)
     model, tokenizer = load_model()
     model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
     results = run_benchmark(cfg, model, tokenizer, variants=variants, skip_cb=args.skip_cb, log=log)

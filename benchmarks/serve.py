@@ -1,8 +1,12 @@
 """Agent loop over HTTP: the same multi-turn workload through the ``openai`` client, server by server.
 
-Each server is started as a subprocess on a free loopback port, on the same local model directory
+Each server (``serve_servers.py``: radixcache, ``transformers serve`` without and with continuous
+batching, and llama.cpp's ``llama-server`` when it is on PATH, on the GGUF the embedded model comes
+from) is started as a subprocess on a free loopback port, on the same local model
 (offline: ``HF_HUB_OFFLINE=1``), warmed up with one short request and then driven by ``sessions``
-concurrent agent sessions (first 1, then 8). A session is the demo's agent: a system message with the
+concurrent agent sessions (1, 8, then 16). Every server but llama-server (whose GGUF is Q4_1)
+runs at one ``--dtype`` (default auto: ``radixcache.models.default_dtype``, bfloat16 on CPUs with
+native bf16 matrix units), and so does the in-process reference; the dtype is printed. A session is the demo's agent: a system message with the
 tool preamble (``radixcache.demo.build_system_prompt``, about 1,500 tokens on SmolLM2), then per
 turn a user request, the streamed greedy reply (``max_tokens`` 24), a tool result as a ``tool``
 message; every request sends the whole conversation as messages, as agent frameworks do.
@@ -14,16 +18,19 @@ span), cached tokens as the server reports them in ``usage.prompt_tokens_details
 turn token for token (its history form, rendered with the server's chat template; 0 on turn 1).
 radixcache runs once more with each drifting chat template (``benchmarks/drift_templates.py``, at
 the first session count). After the servers, one session is played in this process through
-``lm.generate`` (``serve_inprocess.py``) for the in-process TTFT reference, and the issue's
-targets are printed as met or missed (``serve_report.py``).
+``lm.generate`` (``serve_inprocess.py``) for the in-process TTFT reference, each of its greedy
+replies checked against plain ``model.generate`` and against the server's own reply in the
+1-session phase, and the targets are printed as met or missed (``serve_report.py``).
 
-``--quick`` bounds the run (3 turns, 16 new tokens, a time budget per phase: no turn starts after
-90 s and calls still running at 180 s are cut off and reported as incomplete); default
+Every phase is bounded in count (sessions x turns calls) and time: no turn starts after
+``--budget`` seconds (default 600) and calls still running at twice that are cut off and reported
+as incomplete. ``--quick`` runs 3 turns of 16 new tokens with a 90 s budget; default
 ``transformers serve`` takes 7-8 s per turn on the embedded model on 2 CPU cores. Timings measured
 on a shared machine are noisy: the README's numbers come from a quiet one.
 
-    python benchmarks/serve.py [--quick] [--model DIR] [--servers radixcache,transformers,transformers-cb]
-                               [--templates generation_think,strip_think]
+    python benchmarks/serve.py [--quick] [--model DIR] [--dtype auto|float32|bfloat16]
+                               [--servers radixcache,transformers,transformers-cb,llama-server]
+                               [--templates generation_think,strip_think] [--sessions 1 8 16]
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -43,31 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drift_templates import TEMPLATES  # noqa: E402
 from report import table  # noqa: E402
 from serve_inprocess import inprocess_ttft_ms  # noqa: E402
-from serve_report import phase_rows, summary_rows, target_rows  # noqa: E402
+from serve_report import SUMMARY_HEADER, greedy_line, phase_rows, summary_rows, target_rows  # noqa: E402
+from serve_servers import (DEFAULT_SERVERS, SERVERS, Run, precision, radixcache_command,  # noqa: E402
+                           unavailable)
 from server_process import ServerProcess, free_port  # noqa: E402
-
-
-def _exe(name: str) -> str:
-    beside = Path(sys.executable).with_name(name)
-    return str(beside) if beside.exists() else (shutil.which(name) or name)
-
-
-def transformers_command(model_dir, port: int) -> list[str]:
-    return [_exe("transformers"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
-
-
-def transformers_cb_command(model_dir, port: int) -> list[str]:
-    return transformers_command(model_dir, port) + ["--continuous-batching"]
-
-
-def radixcache_command(model_dir, port: int) -> list[str]:
-    return [_exe("radixcache"), "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "warning"]
-
-
-SERVERS = {"radixcache": radixcache_command, "transformers": transformers_command,
-           "transformers-cb": transformers_cb_command}
-DEFAULT_SERVERS = tuple(SERVERS)
 
 
 @dataclass
@@ -219,35 +204,41 @@ def planned_runs(names, templates, sessions, template_dir: Path):
         for name in templates:
             path = template_dir / f"{name}.jinja"
             path.write_text(TEMPLATES[name])
-            build = lambda model, port, path=path: radixcache_command(model, port) + ["--chat-template", str(path)]  # noqa: E731
+            build = lambda model, port, run, path=path: radixcache_command(model, port, run) + ["--chat-template", str(path)]  # noqa: E731
             runs.append((f"radixcache[{name}]", build, TEMPLATES[name], sessions[:1]))
     return runs
 
 
 def main(argv=None) -> int:
+    from radixcache.models import DTYPE_CHOICES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", metavar="DIR", default=None, help="local model directory (default: SmolLM2)")
     parser.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
-                        help=f"comma-separated, from {', '.join(SERVERS)} (default {','.join(DEFAULT_SERVERS)})")
+                        help=f"comma-separated, from {', '.join(SERVERS)} (default {','.join(DEFAULT_SERVERS)}; "
+                             "llama-server only when it is on PATH and the model is the embedded one)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="dtype of every server but llama-server and of the in-process reference "
+                             "(default auto: radixcache.models.default_dtype)")
     parser.add_argument("--templates", default=",".join(TEMPLATES),
                         help=f"drifting chat templates radixcache also runs with, from {', '.join(TEMPLATES)} "
                              "('' for none; default all)")
-    parser.add_argument("--sessions", type=int, nargs="+", default=None, help="concurrent sessions (default 1 8)")
+    parser.add_argument("--sessions", type=int, nargs="+", default=None, help="concurrent sessions (default 1 8 16)")
     parser.add_argument("--turns", type=int, default=None, help="turns per session (default 6, quick 3)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per reply (default 24, quick 16)")
     parser.add_argument("--system-tokens", type=int, default=1500, help="size of the tool preamble")
     parser.add_argument("--quick", action="store_true", help="bounded run: 3 turns, 16 new tokens, 90 s budget")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds per phase after which no turn starts; calls still running at twice that "
-                             "are cut off (default 1800, quick 90)")
+                             "are cut off (default 600, quick 90)")
     parser.add_argument("--no-inprocess", action="store_true", help="skip the in-process generate reference")
     parser.add_argument("--startup-timeout", type=float, default=180.0)
     parser.add_argument("--json", metavar="PATH", help="also write every call to PATH as JSON")
     args = parser.parse_args(argv)
     turns = args.turns or (3 if args.quick else 6)
     max_tokens = args.max_tokens or (16 if args.quick else 24)
-    sessions = args.sessions or [1, 8]
-    budget = args.budget or (90.0 if args.quick else 1800.0)
+    sessions = args.sessions or [1, 8, 16]
+    budget = args.budget or (90.0 if args.quick else 600.0)
     names = [s for s in args.servers.split(",") if s]
     templates = [t for t in args.templates.split(",") if t]
     unknown = [s for s in names if s not in SERVERS] + [t for t in templates if t not in TEMPLATES]
@@ -257,20 +248,27 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from radixcache.models import default_model_dir
+    from radixcache.models import default_dtype, default_model_dir
 
     model_dir = Path(args.model) if args.model else default_model_dir()
+    dtype = default_dtype("cpu") if args.dtype == "auto" else args.dtype
+    skipped = [(n, why) for n in names if (why := unavailable(n, model_dir))]
+    names = [n for n in names if n not in dict(skipped)]
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     work = Workload(tokenizer, args.system_tokens)
+    run = Run(dtype, max(sessions))
     print(f"radixcache serve benchmark: {model_dir.name}, {turns} turns, sessions {sessions}, "
           f"{max_tokens} new tokens, system prompt with {work.tools} tools; servers: {', '.join(names)}; "
-          f"drifting templates: {', '.join(templates) if 'radixcache' in names and templates else 'none'}")
+          f"drifting templates: {', '.join(templates) if 'radixcache' in names and templates else 'none'}; "
+          f"precision: " + ", ".join(f"{n} {precision(n, model_dir, dtype)}" for n in names))
+    for name, why in skipped:
+        print(f"skipped {name}: {why}")
     phases, failures = [], []
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as logs:
         for label, build, template, counts in planned_runs(names, templates, sessions, Path(logs)):
             run_work = work if template is None else Workload(tokenizer, args.system_tokens, template)
             try:
-                server = ServerProcess(label, build(model_dir, free_port()), Path(logs), args.startup_timeout)
+                server = ServerProcess(label, build(model_dir, free_port(), run), Path(logs), args.startup_timeout)
             except RuntimeError as exc:
                 failures.append(f"{label}: {exc}")
                 continue
@@ -284,20 +282,21 @@ def main(argv=None) -> int:
                 print(f"{label} failed calls; the end of its log:\n{server.tail(2000)}", file=sys.stderr)
     inprocess = None
     if "radixcache" in names and not args.no_inprocess:
-        inprocess = inprocess_ttft_ms(model_dir, work, turns, max_tokens)
+        inprocess = inprocess_ttft_ms(model_dir, work, turns, max_tokens, dtype)
     inprocess_ms = inprocess.ttft_ms if inprocess else None
     header = ("server", "sessions", "turn", "prompt tok", "TTFT p50 ms", "TTFT p95 ms", "out tok/s",
               "cached tok", "ideal tok", "cached/ideal")
     print(table(header, [row for phase in phases for row in phase_rows(phase)], left=(0,)))
     print()
-    print(table(("server", "sessions", "calls", "TTFT turns 2+ ms", "out tok/s", "wall s", "note"),
-                summary_rows(phases), left=(0, 6)))
+    print(table(SUMMARY_HEADER, summary_rows(phases), left=(0, 7)))
     print("TTFT: request sent to the first content chunk (streamed, greedy). out tok/s: completion tokens "
           "over the wall time. cached: usage.prompt_tokens_details.cached_tokens ('-': not reported); "
           "ideal: prompt tokens repeating the session's previous turn token for token.")
     if inprocess_ms is not None:
-        print(f"in-process lm.generate TTFT, turns 2+ (one session, history precomputed): {inprocess_ms:,.0f} ms; "
-              f"cached tokens per turn: {', '.join(f'{c:,}' for c in inprocess.cached)}")
+        print(f"in-process lm.generate TTFT, turns 2+ (one session, history precomputed, {dtype}): "
+              f"{inprocess_ms:,.0f} ms; cached tokens per turn: {', '.join(f'{c:,}' for c in inprocess.cached)}")
+    if inprocess is not None:
+        print(greedy_line(phases, inprocess, dtype))
     print()
     print(table(("target", "measured", "goal", "met"), target_rows(phases, inprocess_ms), left=(0,)))
     errors = [c.error for p in phases for c in p.calls if c.error]
@@ -305,8 +304,10 @@ def main(argv=None) -> int:
         print(f"FAILED {line}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps({"phases": [asdict(p) for p in phases], "failures": failures,
+                                               "dtype": dtype, "skipped": dict(skipped),
                                                "inprocess_ttft_ms": inprocess_ms,
-                                               "inprocess_cached": inprocess.cached if inprocess else None},
+                                               "inprocess_cached": inprocess.cached if inprocess else None,
+                                               "inprocess_plain_equal": inprocess.plain_equal if inprocess else None},
                                               indent=1) + "\n")
     return 1 if failures or errors else 0
 

@@ -6,7 +6,7 @@ import argparse
 import re
 import sys
 
-from radixcache import sizing
+from radixcache import models, sizing
 
 DEFAULT_DTYPES = ("bf16", "fp16", "fp8")
 
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--turns", type=positive_int, default=6, metavar="N",
                       help="conversation turns (default 6)")
     demo.add_argument("--out", default="out/", metavar="DIR", help="output directory (default out/)")
+    demo.add_argument("--dtype", choices=models.DTYPE_CHOICES, default="auto",
+                      help="the model's dtype, both sides (default auto: bfloat16 on CPUs with native bf16 "
+                           "matrix units, AMX / AVX512-BF16 / Arm BF16, and on CUDA; float32 elsewhere)")
     demo.set_defaults(handler=_demo)
 
     from radixcache.integrations.serve import options as serve_options
@@ -139,7 +142,7 @@ def _demo(args) -> int:
             raise
         print("radixcache: the demo is not available in this version", file=sys.stderr)
         return 1
-    demo_args = argparse.Namespace(model=args.model, turns=args.turns, out=args.out)
+    demo_args = argparse.Namespace(model=args.model, turns=args.turns, out=args.out, dtype=args.dtype)
     result = demo_main(demo_args)
     return result if isinstance(result, int) else 0
 

@@ -144,7 +144,8 @@ def _progress(total: int):
 
 # ---------------------------------------------------------------------- main
 def main(args) -> int:
-    """Run the demo; ``args`` has ``model`` (None or a local directory), ``turns`` and ``out``."""
+    """Run the demo; ``args`` has ``model`` (None or a local directory), ``turns``, ``out`` and
+    optionally ``dtype`` (default "auto": ``radixcache.models.default_dtype``)."""
     import torch
 
     import radixcache
@@ -161,7 +162,8 @@ def main(args) -> int:
     label = DEFAULT_MODEL_LABEL if args.model is None else Path(args.model).name
     print(f"radixcache demo: {label}, {turns} turns, {torch.get_num_threads()} torch thread(s)")
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=getattr(args, "dtype", "auto"))
+    print(f"model dtype: {model.dtype} (both sides)")
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None:

@@ -86,3 +86,31 @@ def test_quick_radixcache_rows_in_process_reference_and_targets(tmp_path, capsys
     targets = printed[printed.index("target "):]
     for words in ("vs transformers-cb", "vs in-process generate", "output tok/s", "radixcache[generation_think]"):
         assert words in targets
+
+
+def test_llama_server_runs_only_on_the_embedded_gguf_and_without_repacking(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve_servers
+
+    from radixcache.models import default_model_dir, find_default_gguf
+
+    tiny = write_model_dir(tmp_path / "tiny")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))  # nothing beside it either
+    assert serve_servers.unavailable("llama-server", default_model_dir()) == "llama-server is not on PATH"
+    binary = tmp_path / "bin" / "llama-server"
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("PATH", str(binary.parent))
+    assert "not converted from the embedded GGUF" in serve_servers.unavailable("llama-server", tiny)
+    assert serve_servers.unavailable("llama-server", default_model_dir()) is None
+    command = serve_servers.llama_server_command(default_model_dir(), 8123, serve_servers.Run("bfloat16", 16))
+    assert command[0] == str(binary) and command[command.index("-m") + 1] == str(find_default_gguf())
+    assert "--no-repack" in command and command[command.index("-np") + 1] == "16"
+    assert command[command.index("--port") + 1] == "8123"  # ServerProcess reads the port from it
+    assert command[command.index("-a") + 1] == default_model_dir().name  # the others' model name
+    assert serve_servers.precision("llama-server", default_model_dir(), "bfloat16") == "Q4_1 GGUF"
+    assert serve_servers.precision("radixcache", default_model_dir(), "bfloat16") == "bfloat16"
+    radix = serve_servers.radixcache_command(tiny, 8124, serve_servers.Run("float32", 1))
+    assert radix[radix.index("--dtype") + 1] == "float32"

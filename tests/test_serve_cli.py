@@ -79,3 +79,41 @@ def test_bad_options_exit_with_a_message(tmp_path):
     result = subprocess.run([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no config.json" in result.stderr
+
+
+def test_dtype_is_bfloat16_where_the_cpu_has_native_bf16_matrix_units(tmp_path):
+    from radixcache import models
+
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512bw amx_bf16 amx_tile avx512_bf16\n\n")
+    plain = tmp_path / "plain"
+    plain.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd i8mm bf16 sve\n\n")
+    assert models.cpu_bf16_flags(amx) == ("amx_bf16", "avx512_bf16")
+    assert models.cpu_bf16_flags(arm) == ("bf16",)
+    assert models.cpu_bf16_flags(plain) == () and models.cpu_bf16_flags(tmp_path / "none") == ()
+    for cpuinfo, expected in ((amx, "bfloat16"), (arm, "bfloat16"), (plain, "float32"), (tmp_path / "none", "float32")):
+        assert models.default_dtype("cpu", cpuinfo) == expected
+    assert models.default_dtype("cuda", plain) == "bfloat16"
+    # --dtype on serve and demo: auto unless told
+    assert ServeOptions.from_args(parse()).dtype == "auto"
+    assert ServeOptions.from_args(parse("--dtype", "float32")).dtype == "float32"
+    assert build_parser().parse_args(["demo", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parse("--dtype", "int8")
+
+
+def test_serve_runs_the_dtype_it_is_given(tmp_path):
+    """The real command in float32 and in bfloat16: it says which, and answers in both."""
+    model = write_model_dir(tmp_path / "tiny", weights=True)
+    for dtype in ("float32", "bfloat16"):
+        server = ServeProcess(model, "--max-cache-tokens", "2048", "--dtype", dtype, "--log-level", "info")
+        try:
+            with server.client() as client:
+                reply = client.chat.completions.create(model="tiny", max_tokens=3, temperature=0,
+                                                       messages=[{"role": "user", "content": "Hi"}])
+            assert reply.usage.completion_tokens >= 1
+            assert f"model weights in torch.{dtype} on cpu" in server.output
+        finally:
+            server.stop()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from radixcache.cli import positive_int
+from radixcache.models import DTYPE_CHOICES
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_RUNNING = 64
@@ -33,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="the weights' and the KV cache's dtype (default auto: bfloat16 on CUDA and on CPUs "
+                             "with native bf16 matrix units, AMX / AVX512-BF16 / Arm BF16; float32 elsewhere)")
     parser.add_argument("--max-cache-tokens", type=positive_int, metavar="N", default=None,
                         help="KV pool size in tokens (default: 25%% of free RAM on CPU, 50%% of free GPU memory)")
     parser.add_argument("--block-size", type=positive_int, metavar="N", default=16,
@@ -64,6 +68,7 @@ class ServeOptions:
     """The server's validated settings (see ``add_arguments`` for each)."""
 
     model: Path | None = None
+    dtype: str = "auto"  # one of radixcache.models.DTYPE_CHOICES; "auto": radixcache.models.default_dtype(device)
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     max_cache_tokens: int | None = None
@@ -113,7 +118,7 @@ class ServeOptions:
         store = getattr(args, "store", None)
         if store is not None and not store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--store {store}: expected a redis://, rediss:// or unix:// URL")
-        return cls(model=model, host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
+        return cls(model=model, dtype=getattr(args, "dtype", "auto"), host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
                    block_size=args.block_size, chat_template=template,
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
                    isolate_cache_by_key=args.isolate_cache_by_key, max_running=args.max_running,

@@ -30,18 +30,20 @@ def build_state(options: ServeOptions, engine=None):
 
 
 def load_engine(options: ServeOptions, info):
-    """The ``LocalEngine`` serving ``options.model`` (default: the embedded SmolLM2): float32 on CPU,
-    bfloat16 on CUDA; ``--max-cache-tokens``, ``--block-size``, ``--max-running`` and ``--store`` (a
-    shared Redis tier; unreachable: a warning, then the server runs without it) apply."""
+    """The ``LocalEngine`` serving ``options.model`` (default: the embedded SmolLM2) on CUDA when
+    there is one, else on the CPU, in ``--dtype`` (auto: ``radixcache.models.default_dtype``,
+    bfloat16 on CUDA and on CPUs with native bf16 matrix units, float32 elsewhere);
+    ``--max-cache-tokens``, ``--block-size``, ``--max-running`` and ``--store`` (a shared Redis tier;
+    unreachable: a warning, then the server runs without it) apply."""
     import torch
 
     import radixcache
     from radixcache.integrations.serve.local_engine import LocalEngine
     from radixcache.models import load_model
 
-    cuda = torch.cuda.is_available()
-    model, _ = load_model(options.model, dtype="bfloat16" if cuda else "float32",
-                          device="cuda" if cuda else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _ = load_model(options.model, dtype=options.dtype, device=device)
+    logger.info("model weights in %s on %s", model.dtype, device)
     lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens,
                          store=options.store)
     if lm.engine_unsupported:  # the self-tests ruled the engine out: refuse rather than risk a token
