@@ -18,9 +18,10 @@ span), cached tokens as the server reports them in ``usage.prompt_tokens_details
 turn token for token (its history form, rendered with the server's chat template; 0 on turn 1).
 radixcache runs once more with each drifting chat template (``benchmarks/drift_templates.py``, at
 the first session count). After the servers, one session is played in this process through
-``lm.generate`` (``serve_inprocess.py``) for the in-process TTFT reference, each of its greedy
-replies checked against plain ``model.generate`` and against the server's own reply in the
-1-session phase, and the targets are printed as met or missed (``serve_report.py``).
+``lm.generate`` (``serve_inprocess.py``) for the in-process TTFT reference, interleaved turn by turn
+with radixcache's 1-session phase (each side runs while the other is idle, under the same machine
+load), each of its greedy replies checked against plain ``model.generate`` and against the server's
+own reply, and the targets are printed as met or missed (``serve_report.py``).
 
 Every phase is bounded in count (sessions x turns calls) and time: no turn starts after
 ``--budget`` seconds (default 600) and calls still running at twice that are cut off and reported
@@ -40,160 +41,18 @@ import asyncio
 import json
 import sys
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drift_templates import TEMPLATES  # noqa: E402
 from report import table  # noqa: E402
-from serve_inprocess import inprocess_ttft_ms  # noqa: E402
+from serve_client import Workload, run_phase, warm_up  # noqa: E402
+from serve_inprocess import InProcessSession, inprocess_ttft_ms  # noqa: E402
 from serve_report import SUMMARY_HEADER, greedy_line, phase_rows, summary_rows, target_rows  # noqa: E402
 from serve_servers import (DEFAULT_SERVERS, SERVERS, Run, precision, radixcache_command,  # noqa: E402
                            unavailable)
 from server_process import ServerProcess, free_port  # noqa: E402
-
-
-@dataclass
-class Call:
-    """One request of one session."""
-
-    session: int
-    turn: int
-    prompt_tokens: int
-    ideal_cached: int
-    started: float
-    ttft_s: float | None = None
-    done: float | None = None
-    completion_tokens: int = 0
-    cached_tokens: int | None = None
-    reply: str = ""
-    error: str | None = None
-    cut_off: bool = False  # still running when the phase's time was up
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not self.cut_off and self.done is not None
-
-
-@dataclass
-class Phase:
-    """One server at one number of concurrent sessions."""
-
-    server: str
-    sessions: int
-    wall_s: float = 0.0
-    calls: list = field(default_factory=list)
-    note: str = ""
-
-
-# ---------------------------------------------------------------------- the workload
-class Workload:
-    """The demo's agent: prompts rendered client-side only to count tokens and the ideal hit."""
-
-    def __init__(self, tokenizer, system_tokens: int, template: str | None = None):
-        from radixcache.demo import build_system_prompt
-        from radixcache.integrations.serve.chat_template import ChatRenderer
-
-        self.system, self.tools = build_system_prompt(tokenizer, system_tokens)
-        self.renderer = ChatRenderer(tokenizer, template)
-
-    def request(self, session: int, turn: int) -> tuple[str, str]:
-        from radixcache.demo import script_step
-
-        request, result = script_step(turn + session)
-        return f"[session {session + 1}] {request}", result
-
-    def count(self, messages) -> tuple[int, tuple]:
-        ids = self.renderer.render(messages).token_ids
-        return len(ids), ids
-
-    def history(self, messages) -> tuple:
-        from radixcache.integrations.serve.history import history_tokens
-
-        return history_tokens(self.renderer, messages)
-
-
-_RENDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-render")  # one: tokenizers
-
-
-async def render(fn, messages):
-    """``fn(messages)`` (the client side's template rendering) off the event loop, so one
-    session's rendering never delays another's stream reading (and its measured TTFT)."""
-    return await asyncio.get_running_loop().run_in_executor(_RENDER, fn, messages)
-
-
-async def run_session(client, model: str, work: Workload, session: int, turns: int, max_tokens: int,
-                      deadline: float, calls: list) -> None:
-    from radixcache.tokens import common_prefix
-
-    messages = [{"role": "system", "content": work.system}]
-    previous = ()
-    for turn in range(turns):
-        if time.monotonic() > deadline:
-            return
-        request, result = work.request(session, turn)
-        messages.append({"role": "user", "content": request})
-        n, ids = await render(work.count, messages)
-        call = Call(session, turn + 1, n, common_prefix(ids, previous) if previous else 0, time.perf_counter())
-        calls.append(call)
-        try:
-            stream = await client.chat.completions.create(
-                model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True})
-            async for chunk in stream:
-                if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].delta.tool_calls):
-                    if call.ttft_s is None:
-                        call.ttft_s = time.perf_counter() - call.started
-                    call.reply += chunk.choices[0].delta.content or ""
-                if chunk.usage is not None:
-                    call.completion_tokens = chunk.usage.completion_tokens
-                    details = chunk.usage.prompt_tokens_details
-                    call.cached_tokens = None if details is None else details.cached_tokens
-        except asyncio.CancelledError:
-            call.cut_off = True
-            raise
-        except Exception as exc:  # noqa: BLE001 - a failed call is reported, the run goes on
-            call.error = f"{type(exc).__name__}: {exc}"[:200]
-            return
-        finally:
-            call.done = time.perf_counter()
-        messages.append({"role": "assistant", "content": call.reply})
-        previous = await render(work.history, messages)
-        messages.append({"role": "tool", "tool_call_id": f"call_{turn + 1}", "content": result})
-
-
-async def run_phase(server: ServerProcess, work: Workload, sessions: int, turns: int, max_tokens: int,
-                    budget_s: float) -> Phase:
-    """Run the sessions; no turn starts after ``budget_s`` and calls still running at twice that
-    are cut off (reported as incomplete), so a phase never takes longer than ``2 * budget_s``."""
-    from openai import AsyncOpenAI
-
-    phase = Phase(server.name, sessions)
-    client = AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=2 * budget_s)
-    start = time.perf_counter()
-    deadline = time.monotonic() + budget_s
-    runs = asyncio.gather(*(run_session(client, server.model, work, s, turns, max_tokens, deadline, phase.calls)
-                            for s in range(sessions)))
-    try:
-        await asyncio.wait_for(runs, timeout=2 * budget_s)
-    except asyncio.TimeoutError:
-        pass
-    phase.wall_s = time.perf_counter() - start
-    await client.close()
-    done = sum(c.ok for c in phase.calls)
-    if done < sessions * turns:
-        phase.note = f"{done} of {sessions * turns} calls done within the budget ({budget_s:.0f} s to start a turn)"
-    return phase
-
-
-async def warm_up(server: ServerProcess) -> None:
-    from openai import AsyncOpenAI
-
-    async with AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=300) as client:
-        await client.chat.completions.create(model=server.model, max_tokens=2, temperature=0,
-                                             messages=[{"role": "user", "content": "Hello"}])
 
 
 def planned_runs(names, templates, sessions, template_dir: Path):
@@ -264,6 +123,8 @@ def main(argv=None) -> int:
     for name, why in skipped:
         print(f"skipped {name}: {why}")
     phases, failures = [], []
+    inprocess = None
+
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as logs:
         for label, build, template, counts in planned_runs(names, templates, sessions, Path(logs)):
             run_work = work if template is None else Workload(tokenizer, args.system_tokens, template)
@@ -275,13 +136,22 @@ def main(argv=None) -> int:
             try:
                 asyncio.run(warm_up(server))
                 for n in counts:
-                    phases.append(asyncio.run(run_phase(server, run_work, n, turns, max_tokens, budget)))
+                    reference = None
+                    if label == "radixcache" and n == 1 and not args.no_inprocess:
+                        reference = InProcessSession(model_dir, work, max_tokens, dtype)
+                    try:
+                        phases.append(asyncio.run(run_phase(server, run_work, n, turns, max_tokens, budget,
+                                                            reference)))
+                    finally:
+                        if reference is not None:
+                            reference.close()
+                            inprocess = reference.result()
+                    print("  ".join(summary_rows(phases[-1:])[0]), file=sys.stderr, flush=True)
             finally:
                 server.stop()
             if any(c.error for p in phases if p.server == label for c in p.calls):
                 print(f"{label} failed calls; the end of its log:\n{server.tail(2000)}", file=sys.stderr)
-    inprocess = None
-    if "radixcache" in names and not args.no_inprocess:
+    if inprocess is None and "radixcache" in names and not args.no_inprocess:  # no 1-session phase
         inprocess = inprocess_ttft_ms(model_dir, work, turns, max_tokens, dtype)
     inprocess_ms = inprocess.ttft_ms if inprocess else None
     header = ("server", "sessions", "turn", "prompt tok", "TTFT p50 ms", "TTFT p95 ms", "out tok/s",
@@ -293,8 +163,9 @@ def main(argv=None) -> int:
           "over the wall time. cached: usage.prompt_tokens_details.cached_tokens ('-': not reported); "
           "ideal: prompt tokens repeating the session's previous turn token for token.")
     if inprocess_ms is not None:
-        print(f"in-process lm.generate TTFT, turns 2+ (one session, history precomputed, {dtype}): "
-              f"{inprocess_ms:,.0f} ms; cached tokens per turn: {', '.join(f'{c:,}' for c in inprocess.cached)}")
+        print(f"in-process lm.generate TTFT, turns 2+ (one session, history precomputed, {dtype}, interleaved "
+              f"turn by turn with the server's 1-session phase): {inprocess_ms:,.0f} ms; cached tokens per turn: "
+              f"{', '.join(f'{c:,}' for c in inprocess.cached)}")
     if inprocess is not None:
         print(greedy_line(phases, inprocess, dtype))
     print()
