@@ -150,16 +150,20 @@ async def run_phase(server: ServerProcess, work: Workload, sessions: int, turns:
     """Run the sessions; no turn starts after ``budget_s`` and calls still running at twice that
     are cut off (reported as incomplete), so a phase never takes longer than ``2 * budget_s``. With
     one session and a ``reference``, each turn is followed (once the server is idle) by the same
-    turn in process."""
+    turn in process (its time is left out of the phase's wall time)."""
     from openai import AsyncOpenAI
 
     phase = Phase(server.name, sessions)
     client = AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=2 * budget_s)
     start = time.perf_counter()
     deadline = time.monotonic() + budget_s
+    aside = []  # seconds spent on the in-process turns: not the server's wall time
+
     async def in_process(turn):
+        began = time.perf_counter()
         await wait_idle(server)
         reference.turn(turn)
+        aside.append(time.perf_counter() - began)
 
     hook = in_process if reference is not None and sessions == 1 else None
     runs = asyncio.gather(*(run_session(client, server.model, work, s, turns, max_tokens, deadline, phase.calls,
@@ -168,7 +172,7 @@ async def run_phase(server: ServerProcess, work: Workload, sessions: int, turns:
         await asyncio.wait_for(runs, timeout=2 * budget_s)
     except asyncio.TimeoutError:
         pass
-    phase.wall_s = time.perf_counter() - start
+    phase.wall_s = time.perf_counter() - start - sum(aside)
     await client.close()
     done = sum(c.ok for c in phase.calls)
     if done < sessions * turns:
