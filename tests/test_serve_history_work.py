@@ -12,7 +12,7 @@ import pytest
 
 from radixcache.demo import build_system_prompt
 from radixcache.integrations.serve.chat_template import ChatRenderer
-from radixcache.integrations.serve.history import history_after_reply
+from radixcache.integrations.serve.history import history_after_reply, history_tokens
 from radixcache.integrations.serve.history_index import HistoryIndex
 from radixcache.integrations.serve.render_thread import RenderThread
 from radixcache.integrations.serve.responses import assistant_message
@@ -135,9 +135,10 @@ def test_a_client_back_before_the_history_work_still_hits_the_whole_conversation
         gated.open()
     thread.join(60)
     _, cached = result["out"]
-    history = served.state.histories.previous(served.render(following))
-    assert history is not None
-    assert cached >= min(len(history), len(served.render(following)) - 1) // BS * BS  # the whole form
+    history = history_tokens(served.state.renderer, messages + [{"role": "assistant", "content": reply}])
+    prompt = served.render(following)
+    assert prompt[:len(history)] == history and len(history) > len(SYSTEM) // 8
+    assert cached >= len(history) // BS * BS  # the whole history form, reasoning dropped and all
 
 
 def test_prompts_go_ahead_of_history_work_on_the_render_thread():
