@@ -8,7 +8,8 @@ tokens are packed uint32 bytes compared with one ``memcmp`` per node, children a
 packed bytes of their first block, and nothing the cyclic garbage collector walks grows with nodes,
 blocks or tokens. The tree holds one reference on each block it holds; callers hold their own.
 Evictable leaves are kept in eviction order by ``radixcache.recency`` (block-level LRU, with soft
-retention as a second tier; ``RadixCache.evict`` states the rule), so eviction never scans the tree. Calls over many block ids check them with numpy.
+retention as a second tier; ``RadixCache.evict`` states the rule), so eviction never scans the
+tree. Calls over many block ids check them with numpy.
 """
 
 from __future__ import annotations

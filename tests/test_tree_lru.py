@@ -157,7 +157,7 @@ def test_a_block_aligned_match_refreshes_the_same_blocks(bs):
     assert eviction_order(tree) == [a_tail, a[4], a[3], a[2], b[2], b[1], b[0], a[1], a[0]]
 
 
-@pytest.mark.parametrize("bs", [2, 4, 16])
+@pytest.mark.parametrize("bs", BLOCK_SIZES)
 def test_a_match_or_insert_that_uses_a_kept_partial_tail_refreshes_it(bs):
     """The partial tail kept at a node is one block of its own: a match that copies from it, or an
     insert whose tokens it covers, uses it with the path above it."""

@@ -606,8 +606,8 @@ class CacheMachine(RuleBasedStateMachine):
         ev = twin.evictable_blocks
         assert twin.evict(HUGE) == ev, "evictable_blocks is not what evict can drop"
         order = eviction_order(self.clone())  # 5: the whole order, one block at a time
-        assert order == self.eviction_order(), \
-            f"eviction order {order}, block-level LRU order {self.eviction_order()} (last uses {self.lru.last})"
+        assert order == self.eviction_order(), f"eviction order {order}, block-level LRU order " \
+                                               f"{self.eviction_order()} (last uses {self.lru.last})"
         assert twin.cached_blocks == twin.pinned_blocks == len(pinned)
         twin.check()
         for r in self.locked():
