@@ -77,7 +77,8 @@ def test_shared_prefix_takes_the_cascade_path():
     """Several decodes over one shared prefix: the plan reads the prefix once (cascade)."""
     pool, segments, query = build(1, 4, [3, 5, 1, 8], [])
     plan = check(pool, segments, query)
-    assert plan.backend_state.shared_len == 16 and plan.backend_state.decode_rows.shape == (4, 8)
+    state = plan.backend_state
+    assert state.shared_len == 16 and state.context(16).shape == (4, 8) and state.context(16).width == 8
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])

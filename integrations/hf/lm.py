@@ -72,18 +72,19 @@ class CachedLM:
         self.block_size = block_size
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        layers, kv_heads, head_dim = kv_geometry(model.config)
+        geometry = kv_geometry(model.config)
         storage = resolve_kv_dtype(kv_dtype, self.dtype)
         element = torch.empty((), dtype=storage).element_size()
-        bytes_per_token = kv_bytes_per_token(layers, kv_heads, head_dim, element)
+        bytes_per_token = kv_bytes_per_token(*geometry, element)
         if max_cache_tokens is None:
             max_cache_tokens = default_cache_tokens(bytes_per_token, self.device)
         if not isinstance(max_cache_tokens, int) or max_cache_tokens < block_size:
             raise ValueError(f"max_cache_tokens must be an int >= block_size ({block_size}), "
                              f"got {max_cache_tokens!r}")
         num_blocks = max_cache_tokens // block_size
-        self.pool = KVPool(layers, num_blocks, block_size, kv_heads, head_dim, dtype=self.dtype,
-                           device=self.device, kv_dtype=kv_dtype)
+        self.pool = KVPool(geometry.layers, num_blocks, block_size, geometry.kv_heads,
+                           geometry.head_dim, dtype=self.dtype, device=self.device,
+                           kv_dtype=kv_dtype, head_dim_v=geometry.head_dim_v)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._explicit_id = model_id is not None
         self.model_id = model_id or model_identity(model)
