@@ -1,11 +1,13 @@
 """transformers ``Cache`` objects that write K/V into the paged pool and let radixcache attend.
 
-A model's attention layer calls ``cache.update(key, value, layer)`` and then its attention function
-with what ``update`` returned. A ``PlannedCache`` writes the new K/V into the pool through the
-forward's ``StepPlan`` and returns its inputs unchanged; radixcache's registered attention function
-(``attention.py``) recognises exactly those tensors (``take_planned``) and attends over the block
-tables through the backend. Anything else (a forward with another cache, or none) is served by the
-model's own attention and masks.
+A model's attention layer calls ``cache.update(key, value, layer)`` and then its attention function.
+A ``PlannedCache`` returns its inputs unchanged and marks the layer pending in this thread;
+radixcache's registered attention function (``attention.py``) recognises the attention call that
+follows (``take_planned``), writes the K/V it is handed (the new tokens' K/V as the layer attends
+over them: for MLA models the per-head K and V expanded from the latent the model cached) into the
+pool through the forward's ``StepPlan``, and attends over the block tables through the backend.
+Anything else (a forward with another cache, or none) is served by the model's own attention and
+masks.
 
 - ``StepCache``: one engine step, its plan fixed in advance (a ``[1, T]`` packed forward).
 - ``PagedCache``: the cache ``lm.generate`` hands to transformers' own ``generate``: a batch of
@@ -25,7 +27,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from radixcache.attention.plan import Segment, StepPlan, device_tensor
 from radixcache.errors import CacheError, OutOfBlocks
 
-_PENDING = threading.local()  # (key tensor returned by update, cache, layer) of this thread
+_PENDING = threading.local()  # (cache, plan, layer, batch, new columns) of this thread's last update
+
+
+def forget_pending() -> None:
+    """Drop this thread's pending ``update`` (after a forward, even one that failed half way)."""
+    _PENDING.entry = None
 
 
 class PagedOffset(int):
@@ -36,14 +43,19 @@ class PagedOffset(int):
 PAGED_OFFSET = PagedOffset(0)
 
 
-def take_planned(key: torch.Tensor):
-    """``(cache, layer)`` when ``key`` is what a ``PlannedCache.update`` just returned in this
-    thread (then forgotten), else None."""
+def take_planned(query: torch.Tensor, key: torch.Tensor):
+    """``(cache, layer)`` when a ``PlannedCache.update`` of this thread is pending, its forward
+    still runs on the same plan, and ``query`` and ``key`` (``[batch, heads, n, dim]``) are of its
+    forward's shape (then forgotten), else None."""
     entry = getattr(_PENDING, "entry", None)
-    if entry is None or entry[0] is not key:
+    if entry is None:
+        return None
+    cache, plan, layer, batch, n = entry
+    if cache.plan is not plan or query.dim() != 4 or key.dim() != 4 or query.shape[0] != batch or key.shape[0] != batch \
+            or query.shape[2] != n or key.shape[2] != n:
         return None
     _PENDING.entry = None
-    return entry[1], entry[2]
+    return cache, layer
 
 
 class _Layer(CacheLayerMixin):
@@ -108,27 +120,32 @@ class PlannedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs):
-        """Write this layer's new K/V (``[B, kv_heads, n, head_dim]``) into the pool; return them."""
-        batch, _, n, _ = key_states.shape
+        """Plan the forward (at layer 0) and mark ``layer_idx`` pending; return the inputs. The
+        attention call that follows writes the K/V it attends over (``write``)."""
+        batch, n = key_states.shape[0], key_states.shape[2]
         if layer_idx == 0:
             self.begin_forward(batch, n)
             self.shape = (batch, n)
         elif self.plan is None or self.shape != (batch, n):
             raise CacheError(f"layer {layer_idx} ran before layer 0 planned the forward")
-        self.plan.write(layer_idx, self._pack(key_states), self._pack(value_states))
-        _PENDING.entry = (key_states, self, layer_idx)
+        _PENDING.entry = (self, self.plan, layer_idx, batch, n)
         return key_states, value_states
 
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the forward's new ``key [B, kv_heads, n, head_dim]`` and ``value [..., head_dim_v]``
+        of ``layer`` into the pool (only the planned query rows)."""
+        self.plan.write(layer, self._pack(key), self._pack(value))
+
     def attend(self, layer: int, query: torch.Tensor, scale: float, sliding_window, softcap):
-        """``query [B, heads, n, head_dim]`` -> attention output ``[B, n, heads, head_dim]``."""
-        batch, heads, n, dim = query.shape
+        """``query [B, heads, n, head_dim]`` -> attention output ``[B, n, heads, head_dim_v]``."""
+        batch, heads, n, _ = query.shape
         out = self.plan.attend(layer, self._pack(query), scale, sliding_window=sliding_window,
                                softcap=softcap)
         if self.gather is not None:
-            full = out.new_zeros(batch * n, heads, dim)
+            full = out.new_zeros(batch * n, heads, out.shape[-1])
             full.index_copy_(0, self.gather, out)
             out = full
-        return out.view(batch, n, heads, dim)
+        return out.view(batch, n, heads, out.shape[-1])
 
     def _pack(self, x: torch.Tensor) -> torch.Tensor:
         batch, heads, n, dim = x.shape

@@ -6,7 +6,7 @@ import torch
 
 from radixcache.attention.plan import StepPlan, device_tensor
 from radixcache.engine.runner import ModelRunner
-from radixcache.integrations.hf.cache import StepCache
+from radixcache.integrations.hf.cache import StepCache, forget_pending
 
 
 class HFModelRunner(ModelRunner):
@@ -25,7 +25,10 @@ class HFModelRunner(ModelRunner):
         """See ``ModelRunner.forward``."""
         t = len(tokens)
         packed = device_tensor(tokens + positions + logits_rows, self.device)
-        with torch.no_grad():
-            out = self.model(input_ids=packed[:t][None], position_ids=packed[t:2 * t][None],
-                             cache=StepCache(plan), use_cache=True, logits_to_keep=packed[2 * t:])
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=packed[:t][None], position_ids=packed[t:2 * t][None],
+                                 cache=StepCache(plan), use_cache=True, logits_to_keep=packed[2 * t:])
+        finally:
+            forget_pending()
         return out.logits[0].float()
