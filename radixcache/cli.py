@@ -129,14 +129,16 @@ def _kv_size(args, parser) -> int:
           f"binary units")
     print(sizing.render_kv_table(rows))
     dtype = (args.dtype or DEFAULT_DTYPES)[0]
-    for shape in shapes:
-        if shape.attention == "MLA":
-            latent = shape.latent_bytes_per_token(dtype)
-            print(f"{shape.name} (MLA): head dim is K/V per head as transformers expands them and "
-                  f"radixcache's pool holds them; an MLA-native server caches the "
-                  f"{shape.latent_dim}+{shape.rope_dim} latent instead: "
-                  f"{sizing.format_bytes(latent)} per token in {dtype} "
-                  f"({shape.bytes_per_token(dtype) / latent:.1f}x less)")
+    mla = [shape for shape in shapes if shape.attention == "MLA"]
+    if mla:
+        print()
+    for shape in mla:
+        latent = shape.latent_bytes_per_token(dtype)
+        print(f"{shape.name} (MLA): head dim is K/V per head as transformers expands them and "
+              f"radixcache's pool holds them; an MLA-native server caches the "
+              f"{shape.latent_dim}+{shape.rope_dim} latent instead: "
+              f"{sizing.format_bytes(latent)} per token in {dtype} "
+              f"({shape.bytes_per_token(dtype) / latent:.1f}x less)")
     return 0
 
 

@@ -253,10 +253,12 @@ def from_config(config, name: str | None = None) -> KVShape:
             raise ValueError(f"MLA config has kv_lora_rank but no {', '.join(missing)}")
         heads = _required(config, "attention head count", "num_attention_heads")
         return KVShape.mla(str(name), layers, heads, dims["qk_nope_head_dim"], dims["qk_rope_head_dim"],
-                           dims["v_head_dim"], latent, kv_heads=_field(config, "num_key_value_heads"))
+                           dims["v_head_dim"], latent)
 
     query_heads = _required(config, "attention head count", "num_attention_heads", "n_head")
     kv_heads = _field(config, "num_key_value_heads")
+    if kv_heads is None and _field(config, "multi_query") and not _field(config, "new_decoder_architecture"):
+        kv_heads = 1  # Falcon's original multi-query layout (its new one caches every query head)
     kv_heads = query_heads if kv_heads is None else _check_int(kv_heads, "num_key_value_heads", 1)
     head_dim = _field(config, "head_dim")
     if head_dim is None:

@@ -23,9 +23,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from radixcache.errors import CacheError
-from radixcache.integrations.hf.cache import PagedOffset, take_planned
+from radixcache.integrations.hf.cache import PREFIX, PagedOffset, take_planned
 
-PREFIX = "radixcache_paged_"
 # keyword arguments the backends implement or that carry nothing attention needs
 HANDLED = {"scaling", "sliding_window", "softcap", "dropout", "is_causal", "position_ids",
            "cache_position", "output_attentions", "use_cache", "position_embeddings"}

@@ -9,7 +9,14 @@ pool through the forward's ``StepPlan``, and attends over the block tables throu
 Anything else (a forward with another cache, or none) is served by the model's own attention and
 masks.
 
-- ``StepCache``: one engine step, its plan fixed in advance (a ``[1, T]`` packed forward).
+Models whose attention layers do not call transformers' attention functions (Falcon computes SDPA
+itself) never reach the hook: their caches run *dense* (``hooked(model)`` is False). ``update``
+then writes the new K/V and returns each row's whole K/V gathered from the pool, as a
+``DynamicCache`` would, the sizes reported to the mask builders carry no marker, and the model's own
+attention and masks compute the layer.
+
+- ``StepCache``: one engine step, its plan fixed in advance (a ``[1, T]`` packed forward; dense: a
+  single segment, ``[1, q_len]``).
 - ``PagedCache``: the cache ``lm.generate`` hands to transformers' own ``generate``: a batch of
   rows, each with a ``Lease``. At layer 0 of every forward it commits what the previous forward
   computed, grows each row's blocks to the new length (lazily: blocks grow as tokens arrive) and
@@ -27,7 +34,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from radixcache.attention.plan import Segment, StepPlan, device_tensor
 from radixcache.errors import CacheError, OutOfBlocks
 
+PREFIX = "radixcache_paged_"  # the attention implementation ``attention.install`` switches to
 _PENDING = threading.local()  # (cache, plan, layer, batch, new columns) of this thread's last update
+
+
+def hooked(model) -> bool:
+    """Whether ``model``'s attention layers reach radixcache's attention hook (``attention.install``
+    switched it; models that compute attention themselves refuse the switch)."""
+    return model.config._attn_implementation.startswith(PREFIX)
 
 
 def forget_pending() -> None:
@@ -108,11 +122,13 @@ class PlannedCache(Cache):
     """Base: ``update`` writes through ``self.plan`` (set by ``begin_forward`` at layer 0) and
     hands the plan to the attention function; ``attend`` runs the backend for one layer."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, dense: bool = False):
         super().__init__(layers=[_Layer(self) for _ in range(num_layers)])
         self.plan: StepPlan | None = None
         self.gather: torch.Tensor | None = None  # packed positions of the real query rows
         self.shape: tuple = (0, 0)  # (batch, new columns) of the forward in flight
+        self.dense = dense
+        self.history: torch.Tensor | None = None  # dense: [B, columns] pool rows of every column
 
     def begin_forward(self, batch: int, n: int) -> None:
         """Set ``plan`` (and ``gather``) for a forward of ``n`` new columns per row."""
@@ -121,13 +137,20 @@ class PlannedCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs):
         """Plan the forward (at layer 0) and mark ``layer_idx`` pending; return the inputs. The
-        attention call that follows writes the K/V it attends over (``write``)."""
+        attention call that follows writes the K/V it attends over (``write``). Dense: write them
+        now and return every row's whole K/V ``[B, kv_heads, columns, head_dim]``."""
         batch, n = key_states.shape[0], key_states.shape[2]
         if layer_idx == 0:
             self.begin_forward(batch, n)
             self.shape = (batch, n)
         elif self.plan is None or self.shape != (batch, n):
             raise CacheError(f"layer {layer_idx} ran before layer 0 planned the forward")
+        if self.dense:
+            self.write(layer_idx, key_states, value_states)
+            k, v = self.plan.pool.read(layer_idx, self.history.reshape(-1))
+            rows, cols = self.history.shape
+            return (k.view(rows, cols, *k.shape[1:]).transpose(1, 2),
+                    v.view(rows, cols, *v.shape[1:]).transpose(1, 2))
         _PENDING.entry = (self, self.plan, layer_idx, batch, n)
         return key_states, value_states
 
@@ -156,9 +179,17 @@ class PlannedCache(Cache):
 class StepCache(PlannedCache):
     """One engine step: a packed ``[1, T]`` forward whose plan is known before it starts."""
 
-    def __init__(self, plan: StepPlan):
-        super().__init__(plan.pool.num_layers)
+    def __init__(self, plan: StepPlan, dense: bool = False):
+        super().__init__(plan.pool.num_layers, dense)
         self.step_plan = plan
+        self.past = 0
+        if dense:
+            if len(plan.segments) != 1:
+                raise CacheError(f"a dense step runs one segment, got {len(plan.segments)}")
+            seg = plan.segments[0]
+            self.past = seg.kv_len - seg.q_len
+            pos = torch.arange(seg.kv_len, device=plan.pool.device)
+            self.history = plan.pool.rows(plan.block_table, 0, pos)[None]
 
     def begin_forward(self, batch: int, n: int) -> None:
         """Use the step's plan; the forward must be the packed ``[1, num_tokens]`` it describes."""
@@ -168,11 +199,15 @@ class StepCache(PlannedCache):
         self.plan = self.step_plan
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """0: a packed step has no single past length (positions come as ``position_ids``)."""
-        return 0
+        """0: a packed step has no single past length (positions come as ``position_ids``);
+        dense: the segment's cached tokens."""
+        return self.past
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """Sizes transformers' mask builders ask for; the marked offset makes them build none."""
+        """Sizes transformers' mask builders ask for; the marked offset makes them build none
+        (dense: the segment's whole K/V, a plain offset)."""
+        if self.dense:
+            return self.past + query_length, 0
         return query_length, PAGED_OFFSET
 
 
@@ -200,7 +235,7 @@ class PagedCache(PlannedCache):
 
     def __init__(self, owner, manager, pool, backend, rows: list, start: int, tokens_seen,
                  eos: set, retain_s: float | None = None):
-        super().__init__(pool.num_layers)
+        super().__init__(pool.num_layers, dense=not hooked(owner.model))
         self.owner = owner
         self.manager = manager
         self.pool = pool
@@ -225,9 +260,10 @@ class PagedCache(PlannedCache):
         return self.length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """Sizes transformers' mask builders ask for; the marked offset makes them build none."""
+        """Sizes transformers' mask builders ask for; the marked offset makes them build none
+        (dense: a plain offset, the model's own masks cover every column)."""
         self._check()
-        return self.length + query_length, PAGED_OFFSET
+        return self.length + query_length, 0 if self.dense else PAGED_OFFSET
 
     def begin_forward(self, batch: int, n: int) -> None:
         """Commit what the previous forward computed, grow every row to ``length + n`` tokens
@@ -259,6 +295,12 @@ class PagedCache(PlannedCache):
         self.length = end
         self.gather = None if identity else device_tensor(gather, self.pool.device)
         self.plan = StepPlan(self.pool, segments, self.backend)
+        if self.dense:  # column c of row r is its position c - pad (pads read the zero null block)
+            pad = device_tensor([row.pad for row in self.rows], self.pool.device)[:, None]
+            pos = torch.arange(end, device=self.pool.device)[None] - pad
+            rows = self.pool.rows(self.plan.block_table, torch.arange(batch, device=pos.device)[:, None],
+                                  pos.clamp(min=0))
+            self.history = torch.where(pos >= 0, rows, self.pool.null_row)
 
     def _record(self, sequences, previous: int, n: int) -> None:
         """Append columns ``previous .. previous+n-1`` of transformers' ``sequences`` (the tokens
@@ -310,3 +352,4 @@ class PagedCache(PlannedCache):
                 self.released = True
                 self.plan = None
                 self.gather = None
+                self.history = None
