@@ -213,22 +213,37 @@ def run_decode_floor(model, sequences: int, context: int, steps: int, seed: int)
     the same shape: ``sequences`` distinct prompts of ``context`` tokens are prefilled by the
     engine; the floor is a ``DynamicCache`` holding the very K/V the engine computed (read back from
     the pool), fed the engine's first tokens. Order: ``steps`` floor steps, ``steps`` engine steps,
-    ``steps`` floor steps again (each timed alone); tokens of both sides compared."""
+    ``steps`` floor steps again (each timed alone); tokens of both sides compared. ``context``:
+    whole blocks of ``BLOCK_SIZE``."""
     import random
 
-    import torch
-    from transformers import DynamicCache
-
     import radixcache
-    from radixcache.engine.request import Request, SamplingParams
     from benchmarks.measure import random_ids
 
+    if context % BLOCK_SIZE:
+        raise ValueError(f"context must be whole blocks of {BLOCK_SIZE} (the floor reads them back "
+                         f"from the tree), got {context}")
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     prompts = [random_ids(rng, context, vocab) for _ in range(sequences)]
     capacity = sequences * (context + steps + 4 * BLOCK_SIZE)
     lm = radixcache.wrap(model, block_size=BLOCK_SIZE, max_cache_tokens=capacity)
     engine = lm.new_engine(max_running=sequences)
+    try:
+        return _decode_floor(model, lm, engine, prompts, steps)
+    finally:
+        for i in range(sequences):
+            engine.abort(i)
+
+
+def _decode_floor(model, lm, engine, prompts: list, steps: int) -> dict:
+    """``run_decode_floor``'s measurement on a fresh wrapper and engine (see there)."""
+    import torch
+    from transformers import DynamicCache
+
+    from radixcache.engine.request import Request, SamplingParams
+
+    sequences, context = len(prompts), len(prompts[0])
     for i, prompt in enumerate(prompts):  # the prompts into the cache, then all decode in lockstep
         engine.add(Request(("prefill", i), prompt, SamplingParams(), prefill_only=True))
     while engine.has_work:
