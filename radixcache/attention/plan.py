@@ -14,16 +14,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixcache.errors import CacheError
 from radixcache.kv.pool import KVPool
 
 
+_NUMPY = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+
+
 def device_tensor(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``values`` (a Python list) as a 1-D tensor on ``device``: built on the host and copied once
+    """``values`` (a Python list of numbers) as a 1-D tensor on ``device``: built on the host
+    (through numpy, several times faster than ``torch.tensor`` for long lists) and copied once
     (from pinned memory, non-blocking, on CUDA)."""
-    host = torch.tensor(values, dtype=dtype)
+    if dtype in _NUMPY:
+        host = torch.from_numpy(np.array(values, dtype=_NUMPY[dtype]).reshape(-1))
+    else:
+        host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host if device.type == "cpu" else host.to(device)

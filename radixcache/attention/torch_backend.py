@@ -34,14 +34,15 @@ def causal_mask(q_pos: torch.Tensor, kv_len: torch.Tensor | int, width: int,
 def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                  scale: float, softcap: float | None) -> torch.Tensor:
     """``q [B, H, n, d]``, ``k [B, Hkv, L, d]``, ``v [B, Hkv, L, dv]``, ``mask [B, 1, n, L]``
-    (bool, or additive float in q's dtype) -> ``[B, H, n, dv]``."""
+    (bool, additive float in q's dtype, or None: every key visible) -> ``[B, H, n, dv]``."""
     groups = q.shape[1] // k.shape[1]
     if softcap:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
         scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=groups > 1)
@@ -88,7 +89,7 @@ class TorchStepState:
     ``prefills``: (segment, ``Context`` of its whole K/V) of every multi-token segment. The
     single-token (decode) segments are served together: ``decode_q`` (their packed offsets; None
     when every segment decodes, segment i at packed row i), ``decode_lens`` (their KV lengths;
-    ``max_decode_len`` on the host), ``shared_len`` (tokens of the leading whole blocks every
+    ``max_decode_len`` on the host, and ``same_lengths``: all of them equal), ``shared_len`` (tokens of the leading whole blocks every
     decode segment has in common, e.g. a shared system prompt, read once: cascade style), and
     ``context(start)``, the ``Context`` of every decode from ``start`` (0: the whole context;
     ``shared_len``: the own tails), built on first use. Masks are built on first use per sliding
@@ -109,6 +110,7 @@ class TorchStepState:
         decodes = [segments[i] for i in index]
         self.num_decodes = n = len(decodes)
         self.max_decode_len = max((s.kv_len for s in decodes), default=0)
+        self.same_lengths = all(s.kv_len == self.max_decode_len for s in decodes)
         self.shared_len = (shared_blocks(decodes, pool.block_size) if n > 1 else 0) * pool.block_size
         if n == len(segments):  # a pure decode step: segment i is packed row i
             self.decode_seq = torch.arange(n, device=device)
@@ -199,7 +201,10 @@ class TorchBackend:
         if state.shared_len and not softcap and not window_cuts:
             return self._cascade_decode(layer, q, pool, state, scale)
         k, v = state.context(0).read(pool, layer)  # [S, L, Hkv, d]
-        mask = state.decode_mask(sliding_window, None if softcap else q.dtype)
+        if state.same_lengths and not window_cuts:
+            mask = None  # every sequence sees its whole context, and none is padded
+        else:
+            mask = state.decode_mask(sliding_window, None if softcap else q.dtype)
         return attend_dense(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), mask, scale,
                             softcap)[:, :, 0]
 
