@@ -208,13 +208,17 @@ def tiny_llama(seed: int = 0):
     return model
 
 
-def run_decode_floor(model, sequences: int, context: int, steps: int, seed: int) -> dict:
+def run_decode_floor(model, sequences: int, context: int, steps: int, seed: int,
+                     rounds: int = 1) -> dict:
     """One pure decode step through the engine against a batched ``DynamicCache`` decode step of
     the same shape: ``sequences`` distinct prompts of ``context`` tokens are prefilled by the
     engine; the floor is a ``DynamicCache`` holding the very K/V the engine computed (read back from
-    the pool), fed the engine's first tokens. Order: ``steps`` floor steps, ``steps`` engine steps,
-    ``steps`` floor steps again (each timed alone); tokens of both sides compared. ``context``:
-    whole blocks of ``BLOCK_SIZE``."""
+    the pool), fed the engine's first tokens. A round: ``steps`` floor steps, ``steps`` engine
+    steps, ``steps`` floor steps again (each timed alone); its ratio is the engine's median step
+    over the mean of the floor's two medians. ``rounds`` rounds run back to back (the engine decodes
+    on, each floor restarts from the prompts' K/V); the round of the median ratio is reported, with
+    every round's ratio. Tokens of the first round are compared. ``context``: whole blocks of
+    ``BLOCK_SIZE``."""
     import random
 
     import radixcache
@@ -230,13 +234,13 @@ def run_decode_floor(model, sequences: int, context: int, steps: int, seed: int)
     lm = radixcache.wrap(model, block_size=BLOCK_SIZE, max_cache_tokens=capacity)
     engine = lm.new_engine(max_running=sequences)
     try:
-        return _decode_floor(model, lm, engine, prompts, steps)
+        return _decode_floor(model, lm, engine, prompts, steps, rounds)
     finally:
         for i in range(sequences):
             engine.abort(i)
 
 
-def _decode_floor(model, lm, engine, prompts: list, steps: int) -> dict:
+def _decode_floor(model, lm, engine, prompts: list, steps: int, rounds: int) -> dict:
     """``run_decode_floor``'s measurement on a fresh wrapper and engine (see there)."""
     import torch
     from transformers import DynamicCache
@@ -248,7 +252,7 @@ def _decode_floor(model, lm, engine, prompts: list, steps: int) -> dict:
         engine.add(Request(("prefill", i), prompt, SamplingParams(), prefill_only=True))
     while engine.has_work:
         engine.step()
-    params = SamplingParams(max_new_tokens=steps + 2)
+    params = SamplingParams(max_new_tokens=rounds * steps + 2)
     for i, prompt in enumerate(prompts):
         engine.add(Request(i, prompt, params))
     tokens: dict = {i: [] for i in range(sequences)}
@@ -277,25 +281,32 @@ def _decode_floor(model, lm, engine, prompts: list, steps: int) -> dict:
                 out.append(token[:, 0].tolist())
         return times, [list(r) for r in zip(*out)]
 
-    before, floor_tokens = floor()
-    engine_times = []
+    results, floor_tokens = [], None
     marks = {i: len(t) for i, t in tokens.items()}
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        events = engine.step()
-        engine_times.append(time.perf_counter() - t0)
-        if len(events) != sequences:
-            raise RuntimeError(f"a decode step produced {len(events)} events for {sequences} sequences")
-        for event in events:
-            tokens[event.request_id].append(event.token)
-    after, _ = floor()
+    for _ in range(rounds):
+        before, out = floor()
+        floor_tokens = floor_tokens or out
+        engine_times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            events = engine.step()
+            engine_times.append(time.perf_counter() - t0)
+            if len(events) != sequences:
+                raise RuntimeError(f"a decode step produced {len(events)} events for {sequences} "
+                                   "sequences")
+            for event in events:
+                tokens[event.request_id].append(event.token)
+        after, _ = floor()
+        floor_ms = (statistics.median(before) + statistics.median(after)) / 2 * 1e3
+        engine_ms = statistics.median(engine_times) * 1e3
+        results.append(dict(engine_step_ms=engine_ms, floor_step_ms=floor_ms,
+                            floor_before_ms=statistics.median(before) * 1e3,
+                            floor_after_ms=statistics.median(after) * 1e3, ratio=engine_ms / floor_ms))
     while engine.has_work:
         engine.step()
     engine_tokens = [tokens[i][marks[i]:marks[i] + steps] for i in range(sequences)]
-    floor_ms = (statistics.median(before) + statistics.median(after)) / 2 * 1e3
-    engine_ms = statistics.median(engine_times) * 1e3
-    return dict(sequences=sequences, context=context, steps=steps, engine_step_ms=engine_ms,
-                floor_step_ms=floor_ms, floor_before_ms=statistics.median(before) * 1e3,
-                floor_after_ms=statistics.median(after) * 1e3, ratio=engine_ms / floor_ms,
-                same_tokens=engine_tokens == floor_tokens,
+    ratios = sorted(r["ratio"] for r in results)
+    middle = next(r for r in results if r["ratio"] == ratios[(len(ratios) - 1) // 2])
+    return dict(middle, sequences=sequences, context=context, steps=steps, rounds=rounds,
+                round_ratios=[r["ratio"] for r in results], same_tokens=engine_tokens == floor_tokens,
                 fallbacks=lm.stats()["fallbacks"])
