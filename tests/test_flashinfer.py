@@ -2,7 +2,8 @@
 
 GPU only: the whole module is skipped without flashinfer-python or without CUDA. The first run
 JIT-compiles one FlashInfer module per (dtype, head_dim, window/soft-cap) configuration (a minute or
-two each); the window/soft-cap and fp8 variants add two more modules, so they only run with
+two each); the window/soft-cap, fp8 and MLA (K 192 / V 128) variants add three more modules, so
+they only run with
 ``RADIXCACHE_GPU_VARIANTS=1`` (scripts/gpu_check.sh runs them last).
 """
 
@@ -110,6 +111,7 @@ def test_pure_decode_step_matches_torch(fi_backend, head_dim):
     assert plan.backend_state.decode  # went through the decode wrapper
 
 
+@variants
 @pytest.mark.parametrize("specs", [MIXED, DECODES], ids=["mixed", "decode"])
 def test_mla_head_dims_match_torch(fi_backend, specs):
     """K of 192 and V of 128 per head (DeepSeek's qk_nope + qk_rope and v_head_dim): every step,
