@@ -22,17 +22,16 @@ one scale and read with another.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from radixcache.kv.payload import FP8_MAX, fp8_in_scales, write_payload
 from radixcache.sizing import kv_bytes_per_token
 from radixcache.store import BlockKV
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_HEADROOM = 4.0  # calibration puts the first write's amax at FP8_MAX / FP8_HEADROOM
 
 
@@ -260,50 +259,11 @@ class KVPool:
         with self._scale_lock:  # decide on the scales, write, adopt: nothing calibrates between
             adopt = []
             if self.quantized:
-                src, adopt = self._rescaled(src, kv.scales)
-            self._write_bytes(block, src, per_layer)
+                k_elems = self.block_size * self.num_kv_heads * self.head_dim
+                src, adopt = fp8_in_scales(src, kv.scales, list(self._host_scales), k_elems)
+            write_payload(self.keys, self.values, block, src)
             for layer, pair in adopt:
                 self._set_scales(layer, pair)
-
-    def _write_bytes(self, block: int, src: np.ndarray, per_layer: int) -> None:
-        """Copy one block's payload (every layer: K bytes, then V bytes) into ``block``."""
-        k_bytes = self.keys[0][block].numel() * self.keys[0].element_size()
-        staged = torch.from_numpy(src.copy())  # copy: src may be read-only
-        if self.device.type != "cpu":
-            staged = staged.to(self.device)
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            base = i * per_layer
-            k[block].view(torch.uint8).view(-1).copy_(staged[base:base + k_bytes])
-            v[block].view(torch.uint8).view(-1).copy_(staged[base + k_bytes:base + per_layer])
-
-    def _rescaled(self, src: np.ndarray, scales) -> tuple[np.ndarray, list]:
-        """fp8 bytes re-expressed in this pool's scales, and the (layer, (K, V) scales) to adopt."""
-        if len(scales) != 2 * self.num_layers:
-            raise ValueError(f"fp8 K/V needs {2 * self.num_layers} scales, got {len(scales)}")
-        q = src.reshape(self.num_layers, -1)
-        k_elems = self.block_size * self.num_kv_heads * self.head_dim
-        out, adopt = None, []
-        for layer in range(self.num_layers):
-            pair = tuple(float(scales[2 * layer + j]) for j in range(2))
-            for theirs in pair:
-                if not (math.isfinite(theirs) and theirs > 0):
-                    raise ValueError(f"fp8 scale {theirs!r} of layer {layer} is not a positive number")
-            current = self._host_scales[layer]
-            if current is None:
-                adopt.append((layer, pair))
-                continue
-            for j, (theirs, ours) in enumerate(zip(pair, current)):
-                if theirs == ours:
-                    continue
-                part = slice(0, k_elems) if j == 0 else slice(k_elems, None)
-                x = torch.from_numpy(q[layer, part].copy()).view(torch.float8_e4m3fn).float() * theirs
-                if float(x.abs().max()) > FP8_MAX * ours:
-                    raise ValueError(f"fp8 K/V of layer {layer} does not fit this pool's scale "
-                                     f"{ours:.3g} (written with {theirs:.3g}): refusing to clip")
-                if out is None:
-                    out = q.copy()
-                out[layer, part] = (x / ours).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return (src if out is None else out.reshape(-1)), adopt
 
     def _check_block(self, block: int) -> None:
         if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
