@@ -84,11 +84,12 @@ class CachedLM:
             self.backend = resolve_backend(attention, self.device, self.dtype, storage)
             self.runner = HFModelRunner(model, self.vocab_size, self.device, self.model_id)
             install(model)
-            layers, kv_heads, head_dim = kv_geometry(model.config)
+            geometry = kv_geometry(model.config)
 
             def make_pool(num_blocks: int) -> KVPool:
-                return KVPool(layers, num_blocks, block_size, kv_heads, head_dim, dtype=self.dtype,
-                              device=self.device, kv_dtype=kv_dtype)
+                return KVPool(geometry.layers, num_blocks, block_size, geometry.kv_heads,
+                              geometry.head_dim, dtype=self.dtype, device=self.device,
+                              kv_dtype=kv_dtype, head_dim_v=geometry.head_dim_v)
 
             self.unsupported, self.engine_unsupported = run_self_tests(self, make_pool)
         if self.unsupported and self.engine_unsupported:
@@ -96,8 +97,8 @@ class CachedLM:
         else:
             if max_cache_tokens is None:
                 element = torch.empty((), dtype=storage).element_size()
-                max_cache_tokens = default_cache_tokens(
-                    kv_bytes_per_token(layers, kv_heads, head_dim, element), self.device)
+                max_cache_tokens = default_cache_tokens(kv_bytes_per_token(*geometry, element),
+                                                        self.device)
             self.pool = make_pool(max(1, max_cache_tokens // block_size))
             self.manager = CacheManager(self.pool.num_blocks, block_size, pool=self.pool)
         self.cache = self.manager.tree
