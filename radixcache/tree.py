@@ -17,6 +17,7 @@ import math
 import time
 import weakref
 from array import array
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,14 +26,15 @@ from radixcache.blocks import BlockAllocator, as_block_ids, has_duplicates
 from radixcache.errors import CacheError
 from radixcache.nodes import HandleTable, Node
 from radixcache.tokens import as_token_tuple, token_bytes, unpack
-from radixcache.tree_body import TreeBody
+from radixcache.tree_body import EXTEND_LIMIT, TreeBody
 from radixcache.tree_check import check_tree
 from radixcache.tree_results import Adopted, CacheStats, Match
 
 Namespace = tuple
-__all__ = ["LIVE_CACHES", "Adopted", "CacheStats", "Match", "Namespace", "Node", "RadixCache",
-           "as_token_tuple"]
+__all__ = ["EXTEND_LIMIT", "LIVE_CACHES", "Adopted", "CacheStats", "Match", "Namespace", "Node",
+           "RadixCache", "as_token_tuple"]
 
+INSERT_LOG = 1024  # inserts ``inserted_since`` remembers
 # Every RadixCache alive in the process; the test suite's leak check walks it.
 LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
 
@@ -67,6 +69,10 @@ class RadixCache:
         self.block_size = block_size
         self.clock = clock
         self.stats = CacheStats()
+        self.epoch = 0  # changes whenever the cached content changes (for callers caching peeks)
+        self.evicted_epoch = 0  # the epoch of the last eviction
+        self._inserts: deque = deque(maxlen=INSERT_LOG)  # (epoch, first new block index, its tokens)
+        self._forgotten = 0  # inserts up to this epoch may have left the log
         self.body = TreeBody(allocator, block_size, clock)
         self.store = self.body.store      # node columns, for introspection (Node handles read it)
         self.recency = self.body.recency  # eviction order, for introspection
@@ -148,6 +154,28 @@ class RadixCache:
             return Match(pos >> 2, blocks, self.handle_of(node))
         return Match(pos >> 2, blocks, self.handle_of(node), tail_length, unpack(self.store.blocks[tail])[0])
 
+    def inserted_since(self, epoch: int) -> list | None:
+        """``(index, packed tokens)`` of the first new whole block of every insert after ``epoch``
+        (an earlier value of ``self.epoch``), or None when the log no longer reaches back that far.
+        Why it is enough: a ``peek`` can grow only through an insert whose first new block is one
+        of the queried tokens' blocks, at the same index, at or before the first block the peek
+        did not find (the insert's earlier blocks were cached already, so they are the query's)."""
+        if epoch < self._forgotten:
+            return None
+        out = []
+        for entry in reversed(self._inserts):
+            if entry[0] <= epoch:
+                break
+            out.append(entry[1:])
+        return out
+
+    def _log_insert(self, index: int, block: bytes) -> None:
+        self.epoch += 1
+        log = self._inserts
+        if len(log) == log.maxlen:
+            self._forgotten = log[0][0]
+        log.append((self.epoch, index, block))
+
     def peek(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
         """Length of the longest cached block-aligned prefix of ``tokens``, with no side effect at all
         (no split, no recency refresh, no stats): for schedulers that rank waiting requests."""
@@ -211,11 +239,59 @@ class RadixCache:
             node = body.add_child(node, whole[pos:], adopted)
             self.stats.inserted_tokens += len(adopted) * self.block_size
             path += adopted
+            self._log_insert(pos // bs4, whole[pos:pos + bs4])
         if tail is not None:
             body.keep_tail(node, q[nblocks * bs4:], tail)
+            self.epoch += 1
         if self.store.parent[node] >= 0:
             body.touch(node)
         return pos, node, path
+
+    def adopt_below(self, node: Node, tokens: Sequence[int], blocks: Sequence[int],
+                    tail_block: int | None = None) -> Adopted:
+        """``adopt`` of the tokens that continue the path ending at ``node``, which the caller has
+        locked: ``tokens`` and ``blocks`` are only those after it (the path is not walked or
+        compared again), so the call costs what the new tokens do. ``cached`` counts the tokens
+        after ``node`` that the tree held already; ``blocks`` are the tree's ids for the whole
+        blocks of ``tokens``. When the caller holds the only lock on ``node``, a leaf that was
+        never retained and holds fewer than ``EXTEND_LIMIT`` blocks, the new blocks extend
+        ``node`` itself rather than a new child (so a sequence committed block by block stays a
+        few nodes deep): the returned node is then ``node``, which ends deeper now. ``CacheError``
+        for a node that is not locked; every argument is checked before anything changes."""
+        start = self._node_id(node, "adopt_below")
+        store, body = self.store, self.body
+        if store.lock_ref[start] == 0:
+            raise CacheError("adopt_below: lock the node first (an unlocked node may be split or evicted)")
+        q = token_bytes(tokens)
+        bs4 = body.bs4
+        nblocks = len(q) // bs4
+        ids = as_block_ids(blocks, "adopt_below")
+        tail = None if tail_block is None else as_block_ids((tail_block,), "adopt_below")
+        if len(ids) != nblocks:
+            raise ValueError(f"adopt_below: {len(q) >> 2} tokens cover {nblocks} whole blocks of "
+                             f"{self.block_size}, got {len(ids)} block ids")
+        if tail is not None and len(q) == nblocks * bs4:
+            raise ValueError("adopt_below: a tail_block needs a partial last block")
+        whole = q[:nblocks * bs4]
+        end, pos, path = body.walk(whole, start, True)
+        adopted = ids[pos // bs4:]
+        checked = adopted if tail is None else adopted + tail
+        if checked and not self.allocator.adoptable(checked, body.in_tree):
+            self._check_adopted(checked, adopted, tail)
+        if adopted:
+            self._log_insert((body.depth(start) + pos) // bs4, whole[pos:pos + bs4])
+            if pos == 0 and body.can_extend(end, whole):
+                body.extend(end, whole, adopted)
+            else:
+                end = body.add_child(end, whole[pos:], adopted)
+            self.stats.inserted_tokens += len(adopted) * self.block_size
+            path += adopted
+        if tail is not None:
+            body.keep_tail(end, q[nblocks * bs4:], tail)
+            self.epoch += 1
+        if store.parent[end] >= 0:
+            body.touch(end)
+        return Adopted(pos >> 2, self.handle_of(end), tuple(array("I", path)))
 
     def _check_adopted(self, checked: array, adopted: array, tail: array | None) -> None:
         """Raise the error that names why ``checked`` (the blocks an insert adopts, or every block
@@ -271,6 +347,9 @@ class RadixCache:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         dropped = self.body.evict(num_blocks, self.clock)
         self.stats.evicted_blocks += dropped
+        if dropped:
+            self.epoch += 1
+            self.evicted_epoch = self.epoch
         return dropped
 
     def reset(self) -> None:
