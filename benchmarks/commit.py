@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import fmt, table  # noqa: E402
+from benchmarks.report import table  # noqa: E402
 
 from radixcache import BlockAllocator, RadixCache  # noqa: E402
 from radixcache.manager import CacheManager  # noqa: E402

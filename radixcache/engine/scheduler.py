@@ -21,6 +21,7 @@ release), with its lock held by the caller (``Engine.step``).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from heapq import heapify, heappop, heappush
 
 from radixcache.engine.prompt_index import PromptIndex
@@ -173,11 +174,11 @@ class Scheduler:
             exact_at, synced, n, have = seq.peeked
             if synced != old or n != len(seq.tokens):
                 continue
-            frontier = have // bs
-            tokens = seq.tokens
-            if any(tokens[j * bs:(j + 1) * bs].tobytes() in at[j]
-                   for j in where if j <= frontier):
-                continue
+            reach = bisect_right(where, have // bs)  # inserts at or before its first missing block
+            if reach:
+                tokens = seq.tokens
+                if any(tokens[j * bs:(j + 1) * bs].tobytes() in at[j] for j in where[:reach]):
+                    continue
             seq.peeked = (exact_at, epoch, n, have)
 
     def _surely_too_big(self, seq: Sequence, have: int) -> bool:
