@@ -17,7 +17,6 @@ import math
 import time
 import weakref
 from array import array
-from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,13 +27,13 @@ from radixcache.nodes import HandleTable, Node
 from radixcache.tokens import as_token_tuple, token_bytes, unpack
 from radixcache.tree_body import EXTEND_LIMIT, TreeBody
 from radixcache.tree_check import check_tree
+from radixcache.tree_log import ChangeLog
 from radixcache.tree_results import Adopted, CacheStats, Match
 
 Namespace = tuple
 __all__ = ["EXTEND_LIMIT", "LIVE_CACHES", "Adopted", "CacheStats", "Match", "Namespace", "Node",
            "RadixCache", "as_token_tuple"]
 
-INSERT_LOG = 1024  # inserts ``inserted_since`` remembers
 # Every RadixCache alive in the process; the test suite's leak check walks it.
 LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
 
@@ -55,7 +54,8 @@ class RadixCache:
     ``L // block_size`` blocks. ``namespace`` tuples partition the tree completely: no node or block
     is shared between them. ``clock`` (seconds, non-decreasing) is what ``retain`` deadlines are read
     against. Each method's docstring states its contract; ``check()`` verifies the invariants
-    (``radixcache.tree_body`` states them).
+    (``radixcache.tree_body`` states them). ``changes`` (a ``radixcache.tree_log.ChangeLog``) says
+    when the content changed and what was inserted, for callers that cache ``peek`` results.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int = 16, *, clock=time.monotonic):
@@ -69,10 +69,7 @@ class RadixCache:
         self.block_size = block_size
         self.clock = clock
         self.stats = CacheStats()
-        self.epoch = 0  # changes whenever the cached content changes (for callers caching peeks)
-        self.evicted_epoch = 0  # the epoch of the last eviction
-        self._inserts: deque = deque(maxlen=INSERT_LOG)  # (epoch, first new block index, its tokens)
-        self._forgotten = 0  # inserts up to this epoch may have left the log
+        self.changes = ChangeLog()  # content epochs and recent inserts (for callers caching peeks)
         self.body = TreeBody(allocator, block_size, clock)
         self.store = self.body.store      # node columns, for introspection (Node handles read it)
         self.recency = self.body.recency  # eviction order, for introspection
@@ -154,28 +151,6 @@ class RadixCache:
             return Match(pos >> 2, blocks, self.handle_of(node))
         return Match(pos >> 2, blocks, self.handle_of(node), tail_length, unpack(self.store.blocks[tail])[0])
 
-    def inserted_since(self, epoch: int) -> list | None:
-        """``(index, packed tokens)`` of the first new whole block of every insert after ``epoch``
-        (an earlier value of ``self.epoch``), or None when the log no longer reaches back that far.
-        Why it is enough: a ``peek`` can grow only through an insert whose first new block is one
-        of the queried tokens' blocks, at the same index, at or before the first block the peek
-        did not find (the insert's earlier blocks were cached already, so they are the query's)."""
-        if epoch < self._forgotten:
-            return None
-        out = []
-        for entry in reversed(self._inserts):
-            if entry[0] <= epoch:
-                break
-            out.append(entry[1:])
-        return out
-
-    def _log_insert(self, index: int, block: bytes) -> None:
-        self.epoch += 1
-        log = self._inserts
-        if len(log) == log.maxlen:
-            self._forgotten = log[0][0]
-        log.append((self.epoch, index, block))
-
     def peek(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
         """Length of the longest cached block-aligned prefix of ``tokens``, with no side effect at all
         (no split, no recency refresh, no stats): for schedulers that rank waiting requests."""
@@ -210,19 +185,10 @@ class RadixCache:
 
     def _adopt(self, tokens, blocks, namespace, tail_block) -> tuple[int, int, bytearray]:
         """The insertion; returns (cached bytes, end node id, the tree's packed block ids)."""
-        q = token_bytes(tokens)
+        q, ids, tail, nblocks = self._insert_args(tokens, blocks, tail_block, "insert")
         namespace = _check_namespace(namespace)
         body = self.body
         bs4 = body.bs4
-        nblocks = len(q) // bs4
-        ids = as_block_ids(blocks, "insert")
-        tail = None if tail_block is None else as_block_ids((tail_block,), "insert")
-        if len(ids) != nblocks:
-            raise ValueError(f"insert: {len(q) >> 2} tokens cover {nblocks} whole blocks of "
-                             f"{self.block_size}, got {len(ids)} block ids")
-        if tail is not None and len(q) == nblocks * bs4:
-            raise ValueError(f"insert: a tail_block needs a partial last block, but {len(q) >> 2} "
-                             f"tokens are whole blocks of {self.block_size}")
         whole = q if len(q) == nblocks * bs4 else q[:nblocks * bs4]
         node, pos, path = body.walk(whole, body.root(namespace), True)
         adopted = ids[pos // bs4:]
@@ -239,10 +205,10 @@ class RadixCache:
             node = body.add_child(node, whole[pos:], adopted)
             self.stats.inserted_tokens += len(adopted) * self.block_size
             path += adopted
-            self._log_insert(pos // bs4, whole[pos:pos + bs4])
+            self.changes.inserted(pos // bs4, whole[pos:pos + bs4])
         if tail is not None:
             body.keep_tail(node, q[nblocks * bs4:], tail)
-            self.epoch += 1
+            self.changes.changed()
         if self.store.parent[node] >= 0:
             body.touch(node)
         return pos, node, path
@@ -262,16 +228,8 @@ class RadixCache:
         store, body = self.store, self.body
         if store.lock_ref[start] == 0:
             raise CacheError("adopt_below: lock the node first (an unlocked node may be split or evicted)")
-        q = token_bytes(tokens)
+        q, ids, tail, nblocks = self._insert_args(tokens, blocks, tail_block, "adopt_below")
         bs4 = body.bs4
-        nblocks = len(q) // bs4
-        ids = as_block_ids(blocks, "adopt_below")
-        tail = None if tail_block is None else as_block_ids((tail_block,), "adopt_below")
-        if len(ids) != nblocks:
-            raise ValueError(f"adopt_below: {len(q) >> 2} tokens cover {nblocks} whole blocks of "
-                             f"{self.block_size}, got {len(ids)} block ids")
-        if tail is not None and len(q) == nblocks * bs4:
-            raise ValueError("adopt_below: a tail_block needs a partial last block")
         whole = q[:nblocks * bs4]
         end, pos, path = body.walk(whole, start, True)
         adopted = ids[pos // bs4:]
@@ -279,7 +237,7 @@ class RadixCache:
         if checked and not self.allocator.adoptable(checked, body.in_tree):
             self._check_adopted(checked, adopted, tail)
         if adopted:
-            self._log_insert((body.depth(start) + pos) // bs4, whole[pos:pos + bs4])
+            self.changes.inserted((body.depth(start) + pos) // bs4, whole[pos:pos + bs4])
             if pos == 0 and body.can_extend(end, whole):
                 body.extend(end, whole, adopted)
             else:
@@ -288,10 +246,24 @@ class RadixCache:
             path += adopted
         if tail is not None:
             body.keep_tail(end, q[nblocks * bs4:], tail)
-            self.epoch += 1
+            self.changes.changed()
         if store.parent[end] >= 0:
             body.touch(end)
         return Adopted(pos >> 2, self.handle_of(end), tuple(array("I", path)))
+
+    def _insert_args(self, tokens, blocks, tail_block, what: str) -> tuple:
+        """(packed tokens, block ids, tail id or None, whole blocks) of an insert, checked."""
+        q = token_bytes(tokens)
+        nblocks = len(q) // self.body.bs4
+        ids = as_block_ids(blocks, what)
+        tail = None if tail_block is None else as_block_ids((tail_block,), what)
+        if len(ids) != nblocks:
+            raise ValueError(f"{what}: {len(q) >> 2} tokens cover {nblocks} whole blocks of "
+                             f"{self.block_size}, got {len(ids)} block ids")
+        if tail is not None and len(q) == nblocks * self.body.bs4:
+            raise ValueError(f"{what}: a tail_block needs a partial last block, but {len(q) >> 2} "
+                             f"tokens are whole blocks of {self.block_size}")
+        return q, ids, tail, nblocks
 
     def _check_adopted(self, checked: array, adopted: array, tail: array | None) -> None:
         """Raise the error that names why ``checked`` (the blocks an insert adopts, or every block
@@ -348,8 +320,7 @@ class RadixCache:
         dropped = self.body.evict(num_blocks, self.clock)
         self.stats.evicted_blocks += dropped
         if dropped:
-            self.epoch += 1
-            self.evicted_epoch = self.epoch
+            self.changes.evicted()
         return dropped
 
     def reset(self) -> None:

@@ -263,7 +263,7 @@ def test_a_waiting_request_is_peeked_again_only_when_the_tree_may_have_changed_i
     first = calls[0]
     for _ in range(12):  # decodes commit blocks; the waiting prompts share nothing with them
         engine.step()
-    assert engine.manager.tree.epoch > 0 and calls[0] == first
+    assert engine.manager.tree.changes.epoch > 0 and calls[0] == first
     for rid in [("run", i) for i in range(3)] + [("wait", i) for i in range(4)] + ["blocker"]:
         engine.abort(rid)
     drain(engine)

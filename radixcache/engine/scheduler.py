@@ -138,12 +138,12 @@ class Scheduler:
         """Tokens of ``seq.tokens[:-1]`` the tree holds now (``peek``): peeked again only when
         the tree evicted something since, or inserted something that could extend it (see
         ``_sync_peeks``)."""
-        tree = self.manager.tree
+        tree, changes = self.manager.tree, self.manager.tree.changes
         exact_at, synced, n, have = seq.peeked
-        if synced == tree.epoch and exact_at >= tree.evicted_epoch and n == len(seq.tokens):
+        if synced == changes.epoch and exact_at >= changes.evicted_epoch and n == len(seq.tokens):
             return have
         have = tree.peek(seq.tokens[:-1], seq.live.namespace)
-        seq.peeked = (tree.epoch, tree.epoch, len(seq.tokens), have)
+        seq.peeked = (changes.epoch, changes.epoch, len(seq.tokens), have)
         return have
 
     def _bound(self, seq: Sequence) -> int:
@@ -155,14 +155,14 @@ class Scheduler:
 
     def _sync_peeks(self) -> None:
         """Carry every waiting sequence's last peek forward to the tree's epoch unless an insert
-        since (``RadixCache.inserted_since``) began with one of its blocks at or before the first
+        since (``radixcache.tree_log``) began with one of its blocks at or before the first
         one the peek did not find: only those can have grown."""
-        tree = self.manager.tree
-        epoch, old = tree.epoch, self._synced
+        changes = self.manager.tree.changes
+        epoch, old = changes.epoch, self._synced
         if epoch == old:
             return
         self._synced = epoch
-        inserts = tree.inserted_since(old)
+        inserts = changes.inserted_since(old)
         if inserts is None:
             return  # too much happened: every sequence is peeked again when it is ranked
         bs = self.block_size
