@@ -139,24 +139,26 @@ class Scheduler:
         the tree evicted something since, or inserted something that could extend it (see
         ``_sync_peeks``)."""
         tree, changes = self.manager.tree, self.manager.tree.changes
-        exact_at, synced, n, have = seq.peeked
+        exact_at, synced, n, have, _ = seq.peeked
         if synced == changes.epoch and exact_at >= changes.evicted_epoch and n == len(seq.tokens):
             return have
-        have = tree.peek(seq.tokens[:-1], seq.live.namespace)
-        seq.peeked = (changes.epoch, changes.epoch, len(seq.tokens), have)
+        tokens, bs = seq.tokens, self.block_size
+        have = tree.peek(tokens[:-1], seq.live.namespace)
+        first_missing = tokens[have:have + bs].tobytes()
+        seq.peeked = (changes.epoch, changes.epoch, len(tokens), have, first_missing)
         return have
 
     def _bound(self, seq: Sequence) -> int:
         """At least ``cached(seq)``: the last peek, if only evictions can have changed it since."""
-        _, synced, n, have = seq.peeked
+        _, synced, n, have, _ = seq.peeked
         if synced == self._synced and n == len(seq.tokens):
             return have
         return self.cached(seq)
 
     def _sync_peeks(self) -> None:
         """Carry every waiting sequence's last peek forward to the tree's epoch unless an insert
-        since (``radixcache.tree_log``) began with one of its blocks at or before the first
-        one the peek did not find: only those can have grown."""
+        since (``radixcache.tree_log``) began with one of its blocks at or before the first one
+        the peek did not find: only those can have grown."""
         changes = self.manager.tree.changes
         epoch, old = changes.epoch, self._synced
         if epoch == old:
@@ -171,15 +173,19 @@ class Scheduler:
             at.setdefault(j, set()).add(block)
         where = sorted(at)
         for seq in self.waiting:
-            exact_at, synced, n, have = seq.peeked
+            exact_at, synced, n, have, first_missing = seq.peeked
             if synced != old or n != len(seq.tokens):
                 continue
-            reach = bisect_right(where, have // bs)  # inserts at or before its first missing block
+            frontier = have // bs
+            reach = bisect_right(where, frontier)  # inserts at or before its first missing block
             if reach:
-                tokens = seq.tokens
-                if any(tokens[j * bs:(j + 1) * bs].tobytes() in at[j] for j in where[:reach]):
+                if where[reach - 1] == frontier and first_missing in at[frontier]:
                     continue
-            seq.peeked = (exact_at, epoch, n, have)
+                tokens = seq.tokens
+                if any(tokens[j * bs:(j + 1) * bs].tobytes() in at[j] for j in where[:reach]
+                       if j != frontier):
+                    continue
+            seq.peeked = (exact_at, epoch, n, have, first_missing)
 
     def _surely_too_big(self, seq: Sequence, have: int) -> bool:
         """Whether ``seq``'s first chunk cannot get its blocks even if ``have`` of its tokens are

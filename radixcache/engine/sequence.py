@@ -52,7 +52,8 @@ class Sequence:
     admitted: int = -1
     passed_over: int = 0
     resumed: bool = False  # preempted (or forked without a block) and waiting to come back
-    peeked: tuple = (-1, -1, -1, 0)  # (epoch peeked at, epoch carried to, token count, cached prefix)
+    peeked: tuple = (-1, -1, -1, 0, b"")  # (epoch peeked at, epoch carried to, token count,
+    #                                      cached prefix, packed tokens of the first missing block)
     hashes: list = field(default_factory=list)  # chained hashes of the whole blocks of tokens
 
     @property
