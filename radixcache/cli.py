@@ -8,13 +8,17 @@ import sys
 
 from radixcache import sizing
 
-DEFAULT_DTYPES = ("bf16", "fp16", "fp8")
+DEFAULT_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # fp32: what the embedded model runs in on CPU
 
 _KIB = 1024
 # Binary multipliers: "128k" tokens = 131,072; "65G" = "65GiB" = 65 x 2**30 bytes.
 TOKEN_SUFFIXES = {"": 1, "k": _KIB, "ki": _KIB, "m": _KIB**2, "mi": _KIB**2}
 BYTE_SUFFIXES = {"b": 1, "k": _KIB, "ki": _KIB, "kib": _KIB, "m": _KIB**2, "mi": _KIB**2, "mib": _KIB**2,
                  "g": _KIB**3, "gi": _KIB**3, "gib": _KIB**3, "t": _KIB**4, "ti": _KIB**4, "tib": _KIB**4}
+# Past these, a size describes no machine: refused rather than printed as thousands of PiB.
+MAX_CONTEXT = 2**32  # tokens per sequence
+MAX_SEQUENCES = 2**32
+MAX_BYTES = 2**60  # 1 EiB: --memory, and the KV of all sequences together
 _NUMBER = re.compile(r"\s*([0-9]+)(?:\.([0-9]+))?\s*([A-Za-z]*)\s*")
 
 
@@ -42,6 +46,9 @@ def token_count(text: str) -> int:
     value = _scaled(text, TOKEN_SUFFIXES, "", "tokens")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    if value > MAX_CONTEXT:
+        raise argparse.ArgumentTypeError(f"{text!r} is {value:,} tokens; at most {MAX_CONTEXT:,} "
+                                         "(4096M) tokens per sequence")
     return value
 
 
@@ -51,6 +58,9 @@ def memory_size(text: str) -> int:
     value = _scaled(text, BYTE_SUFFIXES, "g", "bytes")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a memory size > 0, got {text!r}")
+    if value > MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than {sizing.format_bytes(MAX_BYTES)}, "
+                                         "more memory than any machine has")
     return value
 
 
@@ -62,6 +72,14 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def sequence_count(text: str) -> int:
+    """argparse type: a number of sequences, 1 .. ``MAX_SEQUENCES``."""
+    value = positive_int(text)
+    if value > MAX_SEQUENCES:
+        raise argparse.ArgumentTypeError(f"{value:,} sequences; at most {MAX_SEQUENCES:,}")
     return value
 
 
@@ -79,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"preset shape, repeatable; one of: {', '.join(sizing.PRESETS)}")
     kv.add_argument("--context", type=token_count, default=8192, metavar="N",
                     help="tokens per sequence; k and M are binary (128k = 131,072; default 8192)")
-    kv.add_argument("--sequences", type=positive_int, default=1, metavar="N",
+    kv.add_argument("--sequences", type=sequence_count, default=1, metavar="N",
                     help="sequences held at once (default 1)")
     kv.add_argument("--dtype", action="append", choices=sorted(sizing.DTYPE_BYTES),
                     help=f"cache dtype, repeatable (default: {' '.join(DEFAULT_DTYPES)})")
@@ -122,12 +140,21 @@ def _kv_size(args, parser) -> int:
         parser.error(str(exc))
     if not shapes:
         shapes = list(sizing.PRESETS.values())
-    rows = sizing.kv_size_table(shapes, args.context, args.sequences, args.dtype or DEFAULT_DTYPES,
-                                memory=args.memory)
+    dtypes = args.dtype or DEFAULT_DTYPES
+    rows = sizing.kv_size_table(shapes, args.context, args.sequences, dtypes, memory=args.memory)
+    largest = max(rows, key=lambda row: row["bytes_total"])
+    if largest["bytes_total"] > MAX_BYTES:
+        parser.error(f"{args.sequences:,} sequence(s) of {args.context:,} tokens of {largest['name']} "
+                     f"({largest['dtype']}) need more than {sizing.format_bytes(MAX_BYTES)} of KV "
+                     "cache, more memory than any machine has; lower --context or --sequences")
     fits = f"; sequences that fit in {sizing.format_bytes(args.memory)}" if args.memory else ""
     print(f"KV cache at {args.context:,} tokens per sequence, {args.sequences:,} sequence(s){fits}; "
           f"binary units")
     print(sizing.render_kv_table(rows))
+    for shape in shapes:
+        note = sizing.window_note(shape, args.context, dtypes)
+        if note:
+            print(f"note: {note}")
     return 0
 
 

@@ -1,5 +1,9 @@
 """Eviction order of the tree's evictable leaves: LRU, with soft retention as a second tier.
 
+A leaf's blocks share its tick (their last use), and no tick is older than a tick below it
+(``radixcache.tree_body``), so taking leaves in this order, each leaf's deepest blocks first, evicts
+blocks in exact block-level LRU order.
+
 Every evictable leaf (unpinned, no children, no partial tail, not a root) has one entry, its key
 ``access << 32 | id`` (the recency tick, made unique by the node id), in ``where``, and belongs to
 one of two tiers:

@@ -9,6 +9,7 @@ Pure Python: importing this module does not import torch or transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -22,7 +23,7 @@ ATTENTION_KINDS = ("MHA", "GQA", "MQA", "MLA")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 _KIB = 1024
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
 def _check_int(value, what: str, minimum: int) -> int:
@@ -75,7 +76,11 @@ class KVShape:
     of ``layers`` layers. For MLA the cache holds one vector per token per layer: ``kv_heads`` must
     be 1, ``head_dim`` must equal ``latent_dim + rope_dim``, and there is no factor 2 (build one
     with ``KVShape.mla``). ``query_heads`` is optional and, when given, must agree with
-    ``attention``. Invalid fields raise ValueError/TypeError at construction.
+    ``attention``. ``sliding_window`` (tokens) and ``sliding_layers`` (how many layers attend only
+    that far back) describe a sliding window; the byte counts still cover every token's K/V in
+    every layer, as radixcache's pool holds them (``windowed_bytes_per_sequence`` gives the cap a
+    cache that drops K/V outside the window would have). Invalid fields raise ValueError/TypeError
+    at construction.
     """
 
     name: str
@@ -86,6 +91,8 @@ class KVShape:
     latent_dim: int = 0
     rope_dim: int = 0
     query_heads: int | None = None
+    sliding_window: int | None = None
+    sliding_layers: int = 0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -99,10 +106,22 @@ class KVShape:
         _check_int(self.rope_dim, "rope_dim", 0)
         if self.query_heads is not None:
             _check_int(self.query_heads, "query_heads", 1)
+        self._check_window()
         if self.attention == "MLA":
             self._check_mla()
         else:
             self._check_heads()
+
+    def _check_window(self):
+        _check_int(self.sliding_layers, "sliding_layers", 0)
+        if self.sliding_window is None:
+            if self.sliding_layers:
+                raise ValueError(f"{self.name}: sliding_layers without a sliding_window")
+            return
+        _check_int(self.sliding_window, "sliding_window", 1)
+        if not 1 <= self.sliding_layers <= self.layers:
+            raise ValueError(f"{self.name}: a sliding window needs 1..{self.layers} sliding_layers, "
+                             f"got {self.sliding_layers}")
 
     def _check_mla(self):
         if self.latent_dim < 1:
@@ -156,6 +175,13 @@ class KVShape:
         """KV bytes for ``sequences`` sequences of ``context`` tokens each."""
         return _check_int(sequences, "sequences", 0) * self.bytes_per_sequence(context, dtype)
 
+    def windowed_bytes_per_sequence(self, context: int, dtype: str = "bf16") -> int:
+        """KV bytes of one sequence of ``context`` tokens in a cache that keeps, in each sliding
+        layer, only the last ``sliding_window`` tokens (``bytes_per_sequence`` without a window)."""
+        per_layer = self.bytes_per_token(dtype) // self.layers
+        kept = min(_check_int(context, "context", 0), self.sliding_window or context)
+        return per_layer * ((self.layers - self.sliding_layers) * context + self.sliding_layers * kept)
+
 
 PRESETS: dict[str, KVShape] = {
     shape.name: shape
@@ -202,13 +228,43 @@ def _required(config, what: str, *names) -> int:
     return _check_int(value, names[0], 1)
 
 
+def _sliding(config, layers: int) -> tuple[int | None, int]:
+    """(sliding window in tokens, layers that use it) of a config, (None, 0) without a window:
+    ``sliding_window`` unless ``use_sliding_window`` is false, on the layers ``layer_types`` marks
+    "sliding_attention", else all but every ``sliding_window_pattern``-th, else (Gemma 2) every
+    other one, else those from ``max_window_layers`` on (Qwen 2), else all."""
+    window = _field(config, "sliding_window")
+    if not window or _field(config, "use_sliding_window") is False:
+        return None, 0
+    window = _check_int(window, "sliding_window", 1)
+    layer_types = _field(config, "layer_types")
+    pattern = _field(config, "sliding_window_pattern")
+    start = _field(config, "max_window_layers")
+    if layer_types:
+        sliding = sum(kind == "sliding_attention" for kind in layer_types)
+    elif pattern:
+        sliding = layers - layers // _check_int(pattern, "sliding_window_pattern", 1)
+    elif _field(config, "model_type") == "gemma2":
+        sliding = (layers + 1) // 2
+    elif start is not None and _field(config, "use_sliding_window"):
+        sliding = max(0, layers - _check_int(start, "max_window_layers", 0))
+    else:
+        sliding = layers
+    return (window, sliding) if sliding else (None, 0)
+
+
+def _window_fields(config, layers: int) -> dict:
+    window, sliding = _sliding(config, layers)
+    return dict(sliding_window=window, sliding_layers=sliding)
+
+
 def from_config(config, name: str | None = None) -> KVShape:
     """Build a KVShape from a transformers config object or a config.json dict.
 
     Reads ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` (default: the
     attention heads), ``head_dim`` (default ``hidden_size // num_attention_heads``), the GPT-2
-    names ``n_layer``/``n_head``/``n_embd``, and DeepSeek MLA fields (``kv_lora_rank`` +
-    ``qk_rope_head_dim``). A multimodal config's ``text_config`` is used when present. ``name``
+    names ``n_layer``/``n_head``/``n_embd``, DeepSeek MLA fields (``kv_lora_rank`` +
+    ``qk_rope_head_dim``) and a sliding window (see ``_sliding``). A multimodal config's ``text_config`` is used when present. ``name``
     defaults to the config's ``_name_or_path`` or ``model_type``. Missing fields raise ValueError.
     """
     if config is None or isinstance(config, (str, bytes, int, float, os.PathLike)):
@@ -227,7 +283,8 @@ def from_config(config, name: str | None = None) -> KVShape:
         if rope is None:
             raise ValueError("MLA config has kv_lora_rank but no qk_rope_head_dim")
         query_heads = _field(config, "num_attention_heads")
-        return KVShape.mla(str(name), layers, latent, rope, query_heads=query_heads)
+        shape = KVShape.mla(str(name), layers, latent, rope, query_heads=query_heads)
+        return dataclasses.replace(shape, **_window_fields(config, layers))
 
     query_heads = _required(config, "attention head count", "num_attention_heads", "n_head")
     kv_heads = _field(config, "num_key_value_heads")
@@ -240,7 +297,7 @@ def from_config(config, name: str | None = None) -> KVShape:
         head_dim = hidden // query_heads
     attention = classify_attention(query_heads, kv_heads)
     return KVShape(str(name), layers, kv_heads, _check_int(head_dim, "head_dim", 1), attention,
-                   query_heads=query_heads)
+                   query_heads=query_heads, **_window_fields(config, layers))
 
 
 def from_model_dir(path: str | os.PathLike) -> KVShape:
@@ -314,6 +371,22 @@ def kv_size_table(shapes: Iterable[KVShape] | KVShape, context: int, sequences: 
                 rows[-1]["memory"] = memory
                 rows[-1]["fits"] = sequences_that_fit(shape, memory, context, dtype)
     return rows
+
+
+def window_note(shape: KVShape, context: int, dtypes: Iterable[str]) -> str | None:
+    """One line on ``shape``'s sliding window (None without one): the table counts every token's
+    K/V, as radixcache's pool holds them; what a cache that drops K/V outside the window would
+    hold per sequence of ``context`` tokens at each of ``dtypes``."""
+    if shape.sliding_window is None:
+        return None
+    where = (f"{shape.name}: a sliding window of {shape.sliding_window:,} tokens on "
+             f"{shape.sliding_layers} of {shape.layers} layers")
+    if context <= shape.sliding_window:
+        return f"{where} does not cap sequences of {context:,} tokens."
+    caps = ", ".join(f"{format_bytes(shape.windowed_bytes_per_sequence(context, d))} {d.lower()}"
+                     for d in dtypes)
+    return (f"{where}: the table counts every token's K/V, as radixcache's pool keeps them; a "
+            f"cache that dropped K/V outside the window would hold at most {caps} per sequence.")
 
 
 _COLUMNS = (

@@ -7,8 +7,9 @@ next match, never locked, evicted like any leaf. Nodes live in a struct of array
 tokens are packed uint32 bytes compared with one ``memcmp`` per node, children are found by the
 packed bytes of their first block, and nothing the cyclic garbage collector walks grows with nodes,
 blocks or tokens. The tree holds one reference on each block it holds; callers hold their own.
-Evictable leaves are kept in eviction order by ``radixcache.recency`` (LRU, with soft retention as
-a second tier), so eviction never scans the tree. Calls over many block ids check them with numpy.
+Evictable leaves are kept in eviction order by ``radixcache.recency`` (block-level LRU, with soft
+retention as a second tier; ``RadixCache.evict`` states the rule), so eviction never scans the
+tree. Calls over many block ids check them with numpy.
 """
 
 from __future__ import annotations
@@ -131,16 +132,20 @@ class RadixCache:
         """Longest cached block-aligned prefix of ``tokens`` in ``namespace``, and the partial tail
         that continues it, if any (see ``Match``).
 
-        Never changes reference counts; refreshes the recency of the matched path and counts the
-        query in ``stats``. Callers that must compute at least one token pass ``tokens[:-1]``, so the
-        tail never covers the last token.
+        Never changes reference counts; counts the query in ``stats`` and refreshes the recency of
+        exactly the blocks the match uses (see ``evict``): the matched blocks (a node the match ends
+        inside is split there first) and, when ``tail_block`` is a partial tail kept at the matched
+        node, that block. A tail taken from the first block of a child is not refreshed, nor is
+        anything else of that child: the caller copies it and the tree's next eviction owes it
+        nothing. Callers that must compute at least one token pass ``tokens[:-1]``, so the tail
+        never covers the last token.
         """
         q = token_bytes(tokens)
         body = self.body
         root = body.root(_check_namespace(namespace))
         node, pos, blocks = body.walk(q, root, True)
         tail_length, tail = body.best_tail(node, q[pos:pos + body.bs4 - 4])
-        if tail >= 0:
+        if tail >= 0 and self.store.tail[node] == tail:
             body.touch(tail)
         elif node != root:
             body.touch(node)
@@ -206,11 +211,14 @@ class RadixCache:
             self.stats.inserted_tokens += len(adopted) * self.block_size
             path += adopted
             self.changes.inserted(pos // bs4, whole[pos:pos + bs4])
+        used = node  # the deepest node the insert used: its path is refreshed with one tick
         if tail is not None:
-            body.keep_tail(node, q[nblocks * bs4:], tail)
+            kept = body.keep_tail(node, q[nblocks * bs4:], tail)
             self.changes.changed()
-        if self.store.parent[node] >= 0:
-            body.touch(node)
+            if kept >= 0:
+                used = kept
+        if self.store.parent[used] >= 0:
+            body.touch(used)
         return pos, node, path
 
     def adopt_below(self, node: Node, tokens: Sequence[int], blocks: Sequence[int],
@@ -244,11 +252,14 @@ class RadixCache:
                 end = body.add_child(end, whole[pos:], adopted)
             self.stats.inserted_tokens += len(adopted) * self.block_size
             path += adopted
+        used = end  # as in _adopt: the deepest node (or kept tail) the call used is refreshed
         if tail is not None:
-            body.keep_tail(end, q[nblocks * bs4:], tail)
+            kept = body.keep_tail(end, q[nblocks * bs4:], tail)
             self.changes.changed()
-        if store.parent[end] >= 0:
-            body.touch(end)
+            if kept >= 0:
+                used = kept
+        if store.parent[used] >= 0:
+            body.touch(used)
         return Adopted(pos >> 2, self.handle_of(end), tuple(array("I", path)))
 
     def _insert_args(self, tokens, blocks, tail_block, what: str) -> tuple:
@@ -312,9 +323,17 @@ class RadixCache:
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> int:
-        """Drop the tree's reference on up to ``num_blocks`` blocks (never more), taken from unpinned
-        leaves (partial tails included), least recently used first, a leaf's deepest blocks first;
-        leaves under live retention go only after every other one. Returns how many were dropped."""
+        """Drop the tree's reference on up to ``num_blocks`` blocks (never more): exactly the
+        ``num_blocks`` least recently used unpinned blocks (partial tails included), deepest first
+        among blocks last used together; blocks under live retention go only after every other one.
+        Returns how many were dropped.
+
+        A block's last use is the latest ``match`` or ``insert``/``adopt`` that used it: every whole
+        block a match returns or an insert covers (cached already or adopted), and the partial tail
+        a match copies from or an insert keeps (or finds there covering its tokens). Nothing else
+        (``peek``, ``lock``, ``unlock``, ``retain``, splits, evictions) changes it. A use always
+        covers the path from the namespace root, so a block is never older than the blocks below it
+        and the least recently used blocks are always at leaves."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         dropped = self.body.evict(num_blocks, self.clock)

@@ -14,8 +14,14 @@ Invariants every method keeps (``RadixCache.check`` asserts them):
    (no child's tokens start with the tail's), has no children and is never locked;
 3. ``lock_ref`` of a node is its own locks plus its children's ``lock_ref``; ``pinned`` counts the
    blocks of nodes with ``lock_ref > 0`` (a tail is never pinned);
-4. ``access`` never decreases from a node to its parent; the recency tiers hold exactly the
-   evictable leaves: non-root, no children, no tail, ``lock_ref == 0``.
+4. ``access`` never decreases from a node to its parent (every ``touch`` refreshes a whole path
+   from the root, and splits, truncations and new tails copy their node's tick); the recency tiers
+   hold exactly the evictable leaves: non-root, no children, no tail, ``lock_ref == 0``.
+
+``access`` is the last use of every block of a node (``RadixCache.evict`` says what uses a block).
+A touch ends at a node boundary (a match splits the node it ends inside first), so the blocks of
+one node always share their last use, and ordering leaves by it, deepest blocks first, is exact
+block-level LRU.
 """
 
 from __future__ import annotations
@@ -240,26 +246,28 @@ class TreeBody:
         self.cached += len(blocks)
         self.pinned += len(blocks)
 
-    def keep_tail(self, node: int, rest: bytes, block: array) -> None:
+    def keep_tail(self, node: int, rest: bytes, block: array) -> int:
         """Make ``block`` (holding the tokens ``rest``) the tail of ``node`` unless the tail there or
-        a whole-block child already covers them; a different or shorter tail is replaced."""
+        a whole-block child already covers them; a different or shorter tail is replaced.
+
+        Returns the tail that now holds ``rest`` (the new one, or the one there that covers it),
+        for the caller to ``touch``; -1 where a child covers it (only the child's first block holds
+        those tokens, so refreshing the child would refresh blocks the insert never used)."""
         store = self.store
         old = store.tail[node]
         if old >= 0 and store.keys[old].startswith(rest):
-            cover = old
-        else:
-            cover = next((c for c in (store.kids[node] or {}).values() if store.keys[c].startswith(rest)), -1)
-        if cover >= 0:
-            self.touch(cover)
-            return
+            return old
+        kids = store.kids[node]
+        if kids is not None and any(store.keys[c].startswith(rest) for c in kids.values()):
+            return -1
         if old >= 0:
             self.drop_tail(node)
         self.recency.discard(node)
-        store.tail[node] = store.new(node, rest, block.tobytes(), store.access[node])
+        tail = store.tail[node] = store.new(node, rest, block.tobytes(), store.access[node])
         self.allocator.retain_checked(block)
         self.in_tree[block[0]] = 1
         self.cached += 1
-        self.touch(store.tail[node])
+        return tail
 
     # ----------------------------------------------------------------- shrinking
     def drop_tail(self, node: int) -> None:

@@ -176,7 +176,7 @@ def test_from_model_dir_reads_config_json(tmp_path):
 
 @pytest.mark.parametrize("n, text", [
     (0, "0 B"), (1023, "1023 B"), (1024, "1 KiB"), (131_072, "128 KiB"), (1536 * KIB, "1.5 MiB"),
-    (GIB, "1 GiB"), (70_272, "68.62 KiB"), (3 * 1024 * GIB, "3 TiB"),
+    (GIB, "1 GiB"), (70_272, "68.62 KiB"), (3 * 1024 * GIB, "3 TiB"), (2**60, "1 EiB"),
 ])
 def test_format_bytes_binary_units(n, text):
     assert format_bytes(n) == text
@@ -242,3 +242,37 @@ def test_sequences_that_fit_and_the_memory_column():
     header = render_kv_table(rows).splitlines()[0]
     assert header.split()[-4:] == ["fit", "in", "65", "GiB"]
     assert "fits" not in kv_size_table(preset("Llama-3-8B"), 8192)[0]
+
+
+@pytest.mark.parametrize("config, window", [
+    (dict(sliding_window=4096), (4096, 2)),
+    (dict(sliding_window=4096, use_sliding_window=False), (None, 0)),
+    (dict(sliding_window=None), (None, 0)),
+    (dict(sliding_window=512, layer_types=["sliding_attention", "full_attention"]), (512, 1)),
+    (dict(sliding_window=512, layer_types=["full_attention", "full_attention"]), (None, 0)),
+    (dict(sliding_window=1024, sliding_window_pattern=2), (1024, 1)),
+    (dict(sliding_window=1024, model_type="gemma2"), (1024, 1)),
+    (dict(sliding_window=1024, use_sliding_window=True, max_window_layers=1), (1024, 1)),
+])
+def test_from_config_reads_the_sliding_window(config, window):
+    base = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
+    shape = from_config({**base, **config})
+    assert (shape.sliding_window, shape.sliding_layers) == window
+
+
+def test_a_window_caps_only_its_layers_and_never_the_table():
+    shape = KVShape("w", 4, 2, 16, "GQA", sliding_window=100, sliding_layers=3)
+    per_layer = 2 * 2 * 16 * 2  # K and V, bf16
+    assert shape.bytes_per_sequence(1000) == 4 * per_layer * 1000  # radixcache keeps every token
+    assert shape.windowed_bytes_per_sequence(1000) == per_layer * (1 * 1000 + 3 * 100)
+    assert shape.windowed_bytes_per_sequence(50) == shape.bytes_per_sequence(50)
+    assert preset("Llama-3-8B").windowed_bytes_per_sequence(8192) == preset("Llama-3-8B").bytes_per_sequence(8192)
+
+
+@pytest.mark.parametrize("kwargs", [dict(sliding_window=0, sliding_layers=1),
+                                    dict(sliding_window=8, sliding_layers=0),
+                                    dict(sliding_window=8, sliding_layers=5),
+                                    dict(sliding_layers=1)])
+def test_inconsistent_windows_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        KVShape("w", 4, 2, 16, "GQA", **kwargs)

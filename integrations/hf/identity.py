@@ -23,10 +23,13 @@ VOLATILE_CONFIG_KEYS = {"transformers_version", "torch_dtype", "dtype"}
 
 
 def kv_geometry(config) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a transformers config (text part for multimodal configs)."""
+    """(layers, kv_heads, head_dim) of a transformers config (text part for multimodal configs).
+    ``ValueError`` for a config without attention heads (Mamba, RWKV: there is no K/V to page)."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = config.num_hidden_layers
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        raise ValueError(f"{type(config).__name__} has no attention heads: no K/V to page")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return int(layers), int(kv_heads), int(head_dim)
