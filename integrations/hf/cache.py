@@ -329,7 +329,8 @@ class PagedCache(PlannedCache):
 
     def finish(self, sequences: torch.Tensor | None) -> None:
         """The call ended (``sequences``: transformers' output, None after an error): commit what
-        was computed, release every lease, and refuse any further use."""
+        was computed and finish every lease (``CacheManager.finish``: retained ``retain_s`` after
+        a call that returned), and refuse any further use."""
         if self.released:
             return
         if sequences is not None:
@@ -339,11 +340,9 @@ class PagedCache(PlannedCache):
         with self.manager.lock:
             try:
                 self._commit()
-                for row in self.rows:
-                    if self.retain_s is not None and sequences is not None:
-                        self.manager.retain(row.lease, self.retain_s)
-                    self.manager.release(row.lease, row.tokens[:max(self.committable(row),
-                                                                    row.lease.computed)])
+                retain_s = self.retain_s if sequences is not None else None
+                for row in self.rows:  # what it computed up to its first EOS, then the tail
+                    self.manager.finish(row.lease, row.tokens, retain_s)
             finally:
                 for row in self.rows:
                     if row.lease is not None and not row.lease.released:

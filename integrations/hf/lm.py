@@ -205,7 +205,9 @@ class CachedLM:
                        seed: int | None = None, n: int = 1, cache_salt: str | None = None,
                        priority: int = 0, retain_s: float | None = None, stream: bool = False,
                        progress: bool = False, engine: Engine | None = None):
-        """Continuous-batching generation for ``prompts`` (lists of token ids) over shared blocks.
+        """Continuous-batching generation for ``prompts`` over shared blocks: a list of prompts,
+        each a list (or 1-D tensor) of token ids. A 2-D tensor is refused (``TypeError``): it cannot
+        say which of its ids are padding, so pass its rows as a list when none is padded.
 
         Unset settings come from ``model.generation_config`` and transformers' defaults
         (``max_new_tokens`` 20, ``top_k`` 50, ...); ``temperature`` and the other sampling knobs
@@ -226,7 +228,7 @@ class CachedLM:
         explicit = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                         top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
         settings, total, stops = batch_path.resolve_settings(self.model, explicit, eos_token_id,
-                                                             stop_token_ids)
+                                                             stop_token_ids, self.vocab_size)
         requests = batch_path.build_requests(self, prompts, settings, total, stops, n, seed,
                                              cache_salt, priority, retain_s)
         if self.engine_unsupported:
