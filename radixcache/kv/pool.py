@@ -237,21 +237,6 @@ class KVPool:
         return [BlockKV(raw[i].reshape(-1), self._dtype_name, self._block_shape, scales)
                 for i in range(len(blocks))]
 
-    def export_blocks(self, blocks: Sequence[int]) -> list[BlockKV]:
-        """``export_block`` of every block of ``blocks`` at once: one gather per layer on the
-        device and one device-to-host copy for all of them (the copies share one host buffer)."""
-        for block in blocks:
-            self._check_block(block)
-        if not blocks:
-            return []
-        index = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
-        raw = torch.stack([layer.index_select(0, index).view(torch.uint8) for layer in self.layers],
-                          dim=1).cpu()
-        scales = tuple(x for layer in range(self.num_layers) for x in self.host_scales(layer)) \
-            if self.quantized else ()
-        return [BlockKV(raw[j].reshape(-1).numpy(), self._dtype_name, self._block_shape, scales)
-                for j in range(len(blocks))]
-
     def import_block(self, block: int, kv: BlockKV) -> None:
         """Write ``kv`` (as ``export_block`` returns it, from any pool of this shape and dtype) into ``block``.
 
