@@ -5,6 +5,7 @@ every error path of the publisher."""
 
 import socket
 import time
+from array import array
 
 import msgspec
 import pytest
@@ -334,3 +335,31 @@ def test_one_log_follows_one_tree():
         first.set_event_log(log)
     with pytest.raises(ValueError, match="max_records"):
         BlockEventLog(0)
+
+
+def test_a_record_the_publisher_cannot_apply_is_counted_and_resynced(wired):
+    """A record naming a parent with no digest (the view and the tree disagree) is counted in
+    ``kv_events_errors``; the next change republishes the whole state, and the subscriber is exact
+    again."""
+    mgr, pub, sub = wired
+    run(mgr, list(range(1, 9)))
+    settle(mgr, pub, sub)
+    log = pub.log
+    with mgr.lock:  # as if the tree had logged a child below a block nobody announced
+        log.records.append((0, array("I", [20]).tobytes(), None, bytes(4 * BS),
+                            array("I", [21]).tobytes()))
+        log.appended += 1
+    assert pub.flush() and pub.errors == 1 and log.lost
+    run(mgr, list(range(50, 58)))            # the next change resyncs
+    pub.errors = 0                           # (settle insists on none)
+    settle(mgr, pub, sub)
+    assert len(sub.blocks) == 4
+
+
+def test_the_translator_refuses_records_it_cannot_read():
+    translator = EventTranslator("GPU")
+    with pytest.raises(ValueError, match="unknown"):
+        translator.translate((9,))
+    translator.translate((2, 8, BS, []))     # a snapshot of an empty tree
+    with pytest.raises(ValueError, match="2 block ids for 1 whole blocks"):
+        translator.translate((0, None, NS, bytes(4 * BS), bytes(8)))

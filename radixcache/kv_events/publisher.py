@@ -116,8 +116,9 @@ class KVEventPublisher:
             return self._handled >= target
 
     def close(self, timeout: float = 10.0) -> dict:
-        """Send what is queued (up to ``timeout`` s), stop the thread, unbind; returns ``stats()``.
-        Idempotent. The tree must no longer log into it (``CacheManager.use_events(None)``)."""
+        """Send what is queued (up to ``timeout`` s; past it, what is left is dropped once the
+        record in hand is done), stop the thread, unbind; returns ``stats()``. Idempotent. The tree
+        must no longer log into it (``CacheManager.use_events(None)`` detaches it)."""
         if self._closed:
             return self.stats()
         self._closed = True
@@ -154,7 +155,11 @@ class KVEventPublisher:
             log.wake.wait(0.5)
             log.wake.clear()
             while log.records and not self._abort:
-                self._send_batch()
+                try:
+                    self._send_batch()
+                except Exception:  # the socket failed: count it, keep the thread alive
+                    self.errors += 1
+                    logger.exception("radixcache: sending a KV event batch failed")
             if self._stopping and not log.records:
                 break
         with self._done:
@@ -162,24 +167,27 @@ class KVEventPublisher:
 
     def _send_batch(self) -> None:
         log, events, taken = self.log, [], 0
-        while taken < self.max_batch:
-            record = log.take()
-            if record is None:
-                break
-            taken += 1
-            try:
-                events.extend(self._translator.translate(record))
-            except Exception:  # a record this view cannot apply: start over from a snapshot
-                self.errors += 1
-                logger.exception("radixcache: a KV event record could not be translated; resyncing")
-                log.force_resync()
-            time.sleep(0)  # let the tree's thread have the GIL back between records
-        if events:
-            payload = self._pack([time.time(), events, self.dp_rank])
-            self._socket.send_multipart((self.topic.encode(), self.batches.to_bytes(8, "big"),
-                                         payload), copy=False)
-            self.batches += 1
-        self.thread_cpu_s = time.thread_time()
-        with self._done:
-            self._handled += taken
-            self._done.notify_all()
+        try:
+            while taken < self.max_batch:
+                record = log.take()
+                if record is None:
+                    break
+                taken += 1
+                try:
+                    events.extend(self._translator.translate(record))
+                except Exception:  # a record this view cannot apply: start over from a snapshot
+                    self.errors += 1
+                    logger.exception("radixcache: a KV event record could not be translated; "
+                                     "resyncing")
+                    log.force_resync()
+                time.sleep(0)  # let the tree's thread have the GIL back between records
+            if events:
+                payload = self._pack([time.time(), events, self.dp_rank])
+                self._socket.send_multipart((self.topic.encode(), self.batches.to_bytes(8, "big"),
+                                             payload), copy=False)
+                self.batches += 1
+        finally:
+            self.thread_cpu_s = time.thread_time()
+            with self._done:
+                self._handled += taken
+                self._done.notify_all()
