@@ -16,6 +16,9 @@ Capacities are fractions of the working set (the trace's distinct blocks). Polic
 sessions. The ideal hit rate is that of an unbounded cache in the same event order, computed
 without the tree; at 100% the tree must reproduce it exactly, or the run fails.
 
+Beside the bare tree, the same replay runs through ``CacheManager`` (``benchmarks/trace_manager.py``:
+``admit``, ``grow``, ``commit`` + ``finish``), the lifecycle an engine runs, at GC on.
+
 Timings: every tree call is timed alone (``perf_counter_ns``) with Python's GC on (``--gc off`` or
 ``both`` adds runs without it). Per 1k tokens: a call's time divided by the tokens it was given, over
 requests with prompts of at least 1k tokens. Tokens are handed to the tree as ``array('I')``, the
@@ -290,8 +293,11 @@ def run_trace(trace: Trace, args, log) -> dict:
                     f"hit {r['hit_rate']:.4f} (ideal {r['ideal_hit_rate']:.4f}), {r['elapsed_s']:.1f} s")
     rows.sort(key=lambda r: (r["capacity_pct"], policies.index(r["policy"]), r["gc"] == "off",
                              ("off", "log", "on").index(r["kv_events"])))
+    from benchmarks.trace_manager import replay_all  # it imports this module's helpers
+
+    managed = replay_all(trace, order, args, working_set, queried, policies, log)
     return {"trace": trace.name, "params": trace.params, "measured": describe(trace),
-            "working_set_blocks": working_set, "rows": rows}
+            "working_set_blocks": working_set, "rows": rows, "manager_rows": managed}
 
 
 def render(result: dict, clock: str) -> str:
@@ -316,6 +322,9 @@ def render(result: dict, clock: str) -> str:
              for pct in sorted({k[0] for k in by}) if (pct, "retention", "on") in by]
     if gains:
         out.append("retention - lru hit rate: " + ", ".join(gains))
+    from benchmarks.trace_manager import render_manager
+
+    out.extend(render_manager(result, clock))
     mem = [m for r in result["rows"] for m in r["memory"]]
     if mem:
         out.append("")

@@ -151,10 +151,20 @@ def _kv_size(args, parser) -> int:
     print(f"KV cache at {args.context:,} tokens per sequence, {args.sequences:,} sequence(s){fits}; "
           f"binary units")
     print(sizing.render_kv_table(rows))
+    dtype = (args.dtype or DEFAULT_DTYPES)[0]
+    notes = [note for note in (sizing.window_note(shape, args.context, dtypes) for shape in shapes) if note]
     for shape in shapes:
-        note = sizing.window_note(shape, args.context, dtypes)
-        if note:
-            print(f"note: {note}")
+        if shape.attention == "MLA":
+            latent = shape.latent_bytes_per_token(dtype)
+            notes.append(f"{shape.name} (MLA): head dim is K/V per head as transformers expands them "
+                         f"and radixcache's pool holds them; an MLA-native server caches the "
+                         f"{shape.latent_dim}+{shape.rope_dim} latent instead: "
+                         f"{sizing.format_bytes(latent)} per token in {dtype} "
+                         f"({shape.bytes_per_token(dtype) / latent:.1f}x less)")
+    if notes:
+        print()
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from radixcache.errors import OutOfBlocks
-from radixcache.tree import Namespace, as_token_tuple
+from radixcache.tokens import token_array
+from radixcache.tree import Namespace
 
 
 def prefetch_from_store(manager, tokens: Sequence[int], namespace: Namespace = ()) -> int:
@@ -26,7 +27,7 @@ def prefetch_from_store(manager, tokens: Sequence[int], namespace: Namespace = (
     store = manager.store
     if store is None:
         return 0
-    tokens = as_token_tuple(tokens)
+    tokens = token_array(tokens)
     bs = manager.block_size
     usable = (len(tokens) - 1) // bs if tokens else 0
     with manager.lock:

@@ -1,8 +1,12 @@
 """How many bytes of KV cache a model needs per token, per sequence and for a batch.
 
-bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element. Multi-head latent
-attention (MLA, DeepSeek) caches one shared vector of ``latent_dim + rope_dim`` elements per token
-per layer instead, with no factor 2 because keys and values are both rebuilt from it.
+bytes per token = layers x kv_heads x (head_dim_k + head_dim_v) x bytes per element (for most
+models K and V share a head dim: 2 x layers x kv_heads x head_dim x bytes). Multi-head latent
+attention (MLA: DeepSeek-V2/V3, Kimi K2) is counted as radixcache's pool stores it: transformers
+expands the compressed latent into per-head K (``qk_nope + qk_rope``) and V (``v_head_dim``) right
+before attention, and the pool holds those. MLA-native servers cache the latent itself
+(``latent_dim`` + ``rope_dim`` elements per token per layer, one "head"); ``KVShape.latent_bytes_per_token``
+gives that figure through the same formula, for comparison.
 
 Pure Python: importing this module does not import torch or transformers.
 """
@@ -47,11 +51,12 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}") from None
 
 
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_bytes: int) -> int:
-    """The bytes-per-token formula (MHA/GQA/MQA): 2 (K and V) x layers x kv_heads x head_dim x
-    bytes per element. Every byte count in radixcache (the pool, the sizing table, benchmarks)
-    comes from here."""
-    return 2 * layers * kv_heads * head_dim * element_bytes
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim_k: int, head_dim_v: int,
+                       element_bytes: int) -> int:
+    """The bytes-per-token formula: layers x kv_heads x (head_dim_k + head_dim_v) x bytes per
+    element (K and V of every layer). Every byte count in radixcache (the pool, the sizing table,
+    benchmarks) comes from here."""
+    return layers * kv_heads * (head_dim_k + head_dim_v) * element_bytes
 
 
 def classify_attention(query_heads: int, kv_heads: int) -> str:
@@ -72,15 +77,15 @@ def classify_attention(query_heads: int, kv_heads: int) -> str:
 class KVShape:
     """The shape of one model's KV cache.
 
-    For MHA/GQA/MQA, ``kv_heads`` x ``head_dim`` elements are cached for K and again for V in each
-    of ``layers`` layers. For MLA the cache holds one vector per token per layer: ``kv_heads`` must
-    be 1, ``head_dim`` must equal ``latent_dim + rope_dim``, and there is no factor 2 (build one
-    with ``KVShape.mla``). ``query_heads`` is optional and, when given, must agree with
-    ``attention``. ``sliding_window`` (tokens) and ``sliding_layers`` (how many layers attend only
-    that far back) describe a sliding window; the byte counts still cover every token's K/V in
-    every layer, as radixcache's pool holds them (``windowed_bytes_per_sequence`` gives the cap a
-    cache that drops K/V outside the window would have). Invalid fields raise ValueError/TypeError
-    at construction.
+    ``kv_heads`` x ``head_dim`` elements are cached for K and ``kv_heads`` x ``head_dim_v``
+    (default: ``head_dim``) for V in each of ``layers`` layers. MLA shapes (build one with
+    ``KVShape.mla``) count the expanded per-head K and V the pool holds and also record the
+    compressed latent (``latent_dim``, ``rope_dim``) MLA-native servers cache. ``query_heads`` is
+    optional and, when given, must agree with ``attention``. ``sliding_window`` (tokens) and
+    ``sliding_layers`` (how many layers attend only that far back) describe a sliding window; the
+    byte counts still cover every token's K/V in every layer, as radixcache's pool holds them
+    (``windowed_bytes_per_sequence`` gives the cap a cache that drops K/V outside the window would
+    have). Invalid fields raise ValueError/TypeError at construction.
     """
 
     name: str
@@ -93,6 +98,7 @@ class KVShape:
     query_heads: int | None = None
     sliding_window: int | None = None
     sliding_layers: int = 0
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -106,6 +112,9 @@ class KVShape:
         _check_int(self.rope_dim, "rope_dim", 0)
         if self.query_heads is not None:
             _check_int(self.query_heads, "query_heads", 1)
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        _check_int(self.head_dim_v, "head_dim_v", 1)
         self._check_window()
         if self.attention == "MLA":
             self._check_mla()
@@ -126,13 +135,19 @@ class KVShape:
     def _check_mla(self):
         if self.latent_dim < 1:
             raise ValueError(f"{self.name}: MLA needs latent_dim >= 1")
-        if self.kv_heads != 1 or self.head_dim != self.latent_dim + self.rope_dim:
-            raise ValueError(f"{self.name}: MLA caches one vector per token per layer: kv_heads must be 1 "
-                             f"and head_dim latent_dim + rope_dim = {self.latent_dim + self.rope_dim}")
+        if self.head_dim <= self.rope_dim:
+            raise ValueError(f"{self.name}: MLA keys are qk_nope + qk_rope ({self.rope_dim}) wide, "
+                             f"got head_dim {self.head_dim}")
+        if self.query_heads is not None and self.kv_heads > self.query_heads:
+            raise ValueError(f"{self.name}: kv_heads ({self.kv_heads}) exceeds "
+                             f"query_heads ({self.query_heads})")
 
     def _check_heads(self):
         if self.latent_dim or self.rope_dim:
             raise ValueError(f"{self.name}: latent_dim/rope_dim apply only to MLA, not {self.attention}")
+        if self.head_dim_v != self.head_dim:
+            raise ValueError(f"{self.name}: K and V of different head dims ({self.head_dim}, "
+                             f"{self.head_dim_v}) apply only to MLA, not {self.attention}")
         if self.attention == "MQA" and self.kv_heads != 1:
             raise ValueError(f"{self.name}: MQA means one KV head, got kv_heads={self.kv_heads}")
         if self.query_heads is None:
@@ -148,20 +163,27 @@ class KVShape:
                              f"got {self.kv_heads} of {self.query_heads}")
 
     @classmethod
-    def mla(cls, name: str, layers: int, latent_dim: int, rope_dim: int,
-            query_heads: int | None = None) -> KVShape:
-        """An MLA shape caching ``latent_dim + rope_dim`` elements per token per layer."""
-        _check_int(latent_dim, "latent_dim", 1)
+    def mla(cls, name: str, layers: int, heads: int, nope_dim: int, rope_dim: int, v_dim: int,
+            latent_dim: int, kv_heads: int | None = None) -> KVShape:
+        """An MLA shape: per head, K of ``nope_dim + rope_dim`` and V of ``v_dim`` elements (what
+        the pool holds), expanded from a ``latent_dim + rope_dim`` latent."""
+        _check_int(nope_dim, "nope_dim", 1)
         _check_int(rope_dim, "rope_dim", 0)
-        return cls(name, layers, 1, latent_dim + rope_dim, "MLA", latent_dim=latent_dim, rope_dim=rope_dim,
-                   query_heads=query_heads)
+        return cls(name, layers, heads if kv_heads is None else kv_heads, nope_dim + rope_dim, "MLA",
+                   latent_dim=latent_dim, rope_dim=rope_dim, query_heads=heads, head_dim_v=v_dim)
 
     @property
     def elements_per_token(self) -> int:
         """Cached elements per token across all layers."""
-        if self.attention == "MLA":
-            return self.layers * self.head_dim
-        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, 1)
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.head_dim_v, 1)
+
+    def latent_bytes_per_token(self, dtype: str = "bf16") -> int:
+        """MLA only: bytes per token of the compressed latent MLA-native servers cache (one
+        ``latent_dim`` "K" and one ``rope_dim`` "V" per layer, as transformers' own cache holds
+        them); ``ValueError`` for other shapes."""
+        if self.attention != "MLA":
+            raise ValueError(f"{self.name} is {self.attention}, not MLA: it has no latent")
+        return kv_bytes_per_token(self.layers, 1, self.latent_dim, self.rope_dim, dtype_bytes(dtype))
 
     def bytes_per_token(self, dtype: str = "bf16") -> int:
         """KV bytes for one token in every layer at ``dtype`` (see ``dtype_bytes``)."""
@@ -190,7 +212,7 @@ PRESETS: dict[str, KVShape] = {
         KVShape("Llama-3-8B-MQA", 32, 1, 128, "MQA", query_heads=32),  # hypothetical variant
         KVShape("Mistral-7B", 32, 8, 128, "GQA", query_heads=32),
         KVShape("LLaMA-7B", 32, 32, 128, "MHA", query_heads=32),
-        KVShape.mla("DeepSeek-V3", 61, latent_dim=512, rope_dim=64, query_heads=128),
+        KVShape.mla("DeepSeek-V3", 61, heads=128, nope_dim=128, rope_dim=64, v_dim=128, latent_dim=512),
         KVShape("SmolLM2-135M", 30, 3, 64, "GQA", query_heads=9),
     )
 }
@@ -263,8 +285,9 @@ def from_config(config, name: str | None = None) -> KVShape:
 
     Reads ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` (default: the
     attention heads), ``head_dim`` (default ``hidden_size // num_attention_heads``), the GPT-2
-    names ``n_layer``/``n_head``/``n_embd``, DeepSeek MLA fields (``kv_lora_rank`` +
-    ``qk_rope_head_dim``) and a sliding window (see ``_sliding``). A multimodal config's ``text_config`` is used when present. ``name``
+    names ``n_layer``/``n_head``/``n_embd``, DeepSeek MLA fields (``kv_lora_rank``,
+    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``) and a sliding window (see
+    ``_sliding``). A multimodal config's ``text_config`` is used when present. ``name``
     defaults to the config's ``_name_or_path`` or ``model_type``. Missing fields raise ValueError.
     """
     if config is None or isinstance(config, (str, bytes, int, float, os.PathLike)):
@@ -279,15 +302,19 @@ def from_config(config, name: str | None = None) -> KVShape:
     layers = _required(config, "layer count", "num_hidden_layers", "n_layer", "num_layers")
     latent = _field(config, "kv_lora_rank")
     if latent is not None:
-        rope = _field(config, "qk_rope_head_dim")
-        if rope is None:
-            raise ValueError("MLA config has kv_lora_rank but no qk_rope_head_dim")
-        query_heads = _field(config, "num_attention_heads")
-        shape = KVShape.mla(str(name), layers, latent, rope, query_heads=query_heads)
+        dims = {f: _field(config, f) for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+        missing = [f for f, v in dims.items() if v is None]
+        if missing:
+            raise ValueError(f"MLA config has kv_lora_rank but no {', '.join(missing)}")
+        heads = _required(config, "attention head count", "num_attention_heads")
+        shape = KVShape.mla(str(name), layers, heads, dims["qk_nope_head_dim"],
+                            dims["qk_rope_head_dim"], dims["v_head_dim"], latent)
         return dataclasses.replace(shape, **_window_fields(config, layers))
 
     query_heads = _required(config, "attention head count", "num_attention_heads", "n_head")
     kv_heads = _field(config, "num_key_value_heads")
+    if kv_heads is None and _field(config, "multi_query") and not _field(config, "new_decoder_architecture"):
+        kv_heads = 1  # Falcon's original multi-query layout (its new one caches every query head)
     kv_heads = query_heads if kv_heads is None else _check_int(kv_heads, "num_key_value_heads", 1)
     head_dim = _field(config, "head_dim")
     if head_dim is None:
@@ -339,7 +366,7 @@ def sequences_that_fit(shape: KVShape, memory: int, context: int, dtype: str = "
 def kv_size_table(shapes: Iterable[KVShape] | KVShape, context: int, sequences: int = 1,
                   dtypes: Iterable[str] | str = ("bf16", "fp16", "fp8"),
                   memory: int | None = None) -> list[dict]:
-    """One row per (shape, dtype): name, attention, layers, kv_heads, head_dim, dtype, context,
+    """One row per (shape, dtype): name, attention, layers, kv_heads, head_dim, head_dim_v, dtype, context,
     sequences, bytes_per_token, bytes_per_sequence and bytes_total (all ints); with ``memory`` (bytes)
     also ``memory`` and ``fits``: how many sequences of ``context`` tokens fit in it."""
     shapes = [shapes] if isinstance(shapes, KVShape) else list(shapes)
@@ -360,6 +387,7 @@ def kv_size_table(shapes: Iterable[KVShape] | KVShape, context: int, sequences: 
                 "layers": shape.layers,
                 "kv_heads": shape.kv_heads,
                 "head_dim": shape.head_dim,
+                "head_dim_v": shape.head_dim_v,
                 "dtype": dtype.lower() if isinstance(dtype, str) else dtype,
                 "context": context,
                 "sequences": sequences,
@@ -394,7 +422,8 @@ _COLUMNS = (
     ("attn", lambda r: r["attention"], "<"),
     ("layers", lambda r: str(r["layers"]), ">"),
     ("kv heads", lambda r: str(r["kv_heads"]), ">"),
-    ("head dim", lambda r: str(r["head_dim"]), ">"),
+    ("head dim", lambda r: str(r["head_dim"]) if r["head_dim"] == r["head_dim_v"]
+     else f"{r['head_dim']}/{r['head_dim_v']}", ">"),
     ("dtype", lambda r: r["dtype"], "<"),
     ("B/token", lambda r: f"{r['bytes_per_token']:,}", ">"),
     ("per token", lambda r: format_bytes(r["bytes_per_token"]), ">"),

@@ -26,13 +26,14 @@ from radixcache.blocks import BlockAllocator, as_block_ids, has_duplicates
 from radixcache.errors import CacheError
 from radixcache.nodes import HandleTable, Node
 from radixcache.tokens import as_token_tuple, token_bytes, unpack
-from radixcache.tree_body import TreeBody
+from radixcache.tree_body import EXTEND_LIMIT, TreeBody
 from radixcache.tree_check import check_tree
+from radixcache.tree_log import ChangeLog
 from radixcache.tree_results import Adopted, CacheStats, Match
 
 Namespace = tuple
-__all__ = ["LIVE_CACHES", "Adopted", "CacheStats", "Match", "Namespace", "Node", "RadixCache",
-           "as_token_tuple"]
+__all__ = ["EXTEND_LIMIT", "LIVE_CACHES", "Adopted", "CacheStats", "Match", "Namespace", "Node",
+           "RadixCache", "as_token_tuple"]
 
 # Every RadixCache alive in the process; the test suite's leak check walks it.
 LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
@@ -54,7 +55,8 @@ class RadixCache:
     ``L // block_size`` blocks. ``namespace`` tuples partition the tree completely: no node or block
     is shared between them. ``clock`` (seconds, non-decreasing) is what ``retain`` deadlines are read
     against. Each method's docstring states its contract; ``check()`` verifies the invariants
-    (``radixcache.tree_body`` states them).
+    (``radixcache.tree_body`` states them). ``changes`` (a ``radixcache.tree_log.ChangeLog``) says
+    when the content changed and what was inserted, for callers that cache ``peek`` results.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int = 16, *, clock=time.monotonic):
@@ -68,6 +70,7 @@ class RadixCache:
         self.block_size = block_size
         self.clock = clock
         self.stats = CacheStats()
+        self.changes = ChangeLog()  # content epochs and recent inserts (for callers caching peeks)
         self.body = TreeBody(allocator, block_size, clock)
         self.store = self.body.store      # node columns, for introspection (Node handles read it)
         self.recency = self.body.recency  # eviction order, for introspection
@@ -194,19 +197,10 @@ class RadixCache:
 
     def _adopt(self, tokens, blocks, namespace, tail_block) -> tuple[int, int, bytearray]:
         """The insertion; returns (cached bytes, end node id, the tree's packed block ids)."""
-        q = token_bytes(tokens)
+        q, ids, tail, nblocks = self._insert_args(tokens, blocks, tail_block, "insert")
         namespace = _check_namespace(namespace)
         body = self.body
         bs4 = body.bs4
-        nblocks = len(q) // bs4
-        ids = as_block_ids(blocks, "insert")
-        tail = None if tail_block is None else as_block_ids((tail_block,), "insert")
-        if len(ids) != nblocks:
-            raise ValueError(f"insert: {len(q) >> 2} tokens cover {nblocks} whole blocks of "
-                             f"{self.block_size}, got {len(ids)} block ids")
-        if tail is not None and len(q) == nblocks * bs4:
-            raise ValueError(f"insert: a tail_block needs a partial last block, but {len(q) >> 2} "
-                             f"tokens are whole blocks of {self.block_size}")
         whole = q if len(q) == nblocks * bs4 else q[:nblocks * bs4]
         node, pos, path = body.walk(whole, body.root(namespace), True)
         adopted = ids[pos // bs4:]
@@ -223,14 +217,71 @@ class RadixCache:
             node = body.add_child(node, whole[pos:], adopted)
             self.stats.inserted_tokens += len(adopted) * self.block_size
             path += adopted
+            self.changes.inserted(pos // bs4, whole[pos:pos + bs4])
         used = node  # the deepest node the insert used: its path is refreshed with one tick
         if tail is not None:
             kept = body.keep_tail(node, q[nblocks * bs4:], tail)
+            self.changes.changed()
             if kept >= 0:
                 used = kept
         if self.store.parent[used] >= 0:
             body.touch(used)
         return pos, node, path
+
+    def adopt_below(self, node: Node, tokens: Sequence[int], blocks: Sequence[int],
+                    tail_block: int | None = None) -> Adopted:
+        """``adopt`` of the tokens that continue the path ending at ``node``, which the caller has
+        locked: ``tokens`` and ``blocks`` are only those after it (the path is not walked or
+        compared again), so the call costs what the new tokens do. ``cached`` counts the tokens
+        after ``node`` that the tree held already; ``blocks`` are the tree's ids for the whole
+        blocks of ``tokens``. When the caller holds the only lock on ``node``, a leaf that was
+        never retained and holds fewer than ``EXTEND_LIMIT`` blocks, the new blocks extend
+        ``node`` itself rather than a new child (so a sequence committed block by block stays a
+        few nodes deep): the returned node is then ``node``, which ends deeper now. ``CacheError``
+        for a node that is not locked; every argument is checked before anything changes."""
+        start = self._node_id(node, "adopt_below")
+        store, body = self.store, self.body
+        if store.lock_ref[start] == 0:
+            raise CacheError("adopt_below: lock the node first (an unlocked node may be split or evicted)")
+        q, ids, tail, nblocks = self._insert_args(tokens, blocks, tail_block, "adopt_below")
+        bs4 = body.bs4
+        whole = q[:nblocks * bs4]
+        end, pos, path = body.walk(whole, start, True)
+        adopted = ids[pos // bs4:]
+        checked = adopted if tail is None else adopted + tail
+        if checked and not self.allocator.adoptable(checked, body.in_tree):
+            self._check_adopted(checked, adopted, tail)
+        if adopted:
+            self.changes.inserted((body.depth(start) + pos) // bs4, whole[pos:pos + bs4])
+            if pos == 0 and body.can_extend(end, whole):
+                body.extend(end, whole, adopted)
+            else:
+                end = body.add_child(end, whole[pos:], adopted)
+            self.stats.inserted_tokens += len(adopted) * self.block_size
+            path += adopted
+        used = end  # as in _adopt: the deepest node (or kept tail) the call used is refreshed
+        if tail is not None:
+            kept = body.keep_tail(end, q[nblocks * bs4:], tail)
+            self.changes.changed()
+            if kept >= 0:
+                used = kept
+        if store.parent[used] >= 0:
+            body.touch(used)
+        return Adopted(pos >> 2, self.handle_of(end), tuple(array("I", path)))
+
+    def _insert_args(self, tokens, blocks, tail_block, what: str) -> tuple:
+        """(packed tokens, block ids, tail id or None, whole blocks) of an insert, checked."""
+        q = token_bytes(tokens)
+        nblocks = len(q) // self.body.bs4
+        ids = as_block_ids(blocks, what)
+        tail = None if tail_block is None else as_block_ids((tail_block,), what)
+        if len(ids) != nblocks:
+            raise ValueError(f"{what}: {len(q) >> 2} tokens cover {nblocks} whole blocks of "
+                             f"{self.block_size}, got {len(ids)} block ids")
+        if tail is not None and len(q) == nblocks * self.body.bs4:
+            raise ValueError(f"{what}: a tail_block needs a partial last block, but {len(q) >> 2} "
+                             f"tokens are whole blocks of {self.block_size}")
+        return q, ids, tail, nblocks
 
     def _check_adopted(self, checked: array, adopted: array, tail: array | None) -> None:
         """Raise the error that names why ``checked`` (the blocks an insert adopts, or every block
@@ -294,6 +345,8 @@ class RadixCache:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         dropped = self.body.evict(num_blocks, self.clock)
         self.stats.evicted_blocks += dropped
+        if dropped:
+            self.changes.evicted()
         return dropped
 
     def reset(self) -> None:

@@ -40,6 +40,7 @@ from radixcache.recency import Recency
 from radixcache.tokens import common_blocks, common_tokens
 
 TAIL_SCAN = 32  # children scanned for a partially matching first block (more: only the tail is tried)
+EXTEND_LIMIT = 256  # blocks a node may reach by extension in place (each extension copies the node's bytes)
 _NO_BLOCKS = b""
 
 
@@ -222,6 +223,39 @@ class TreeBody:
         if self.events is not None:
             self.events.stored(self, node, child)
         return child
+
+    def depth(self, i: int) -> int:
+        """Bytes of tokens from the namespace root to the end of node ``i``."""
+        store, n = self.store, 0
+        while i >= 0:
+            n += len(store.keys[i])
+            i = store.parent[i]
+        return n
+
+    def can_extend(self, i: int, key: bytes) -> bool:
+        """Whether ``key``'s blocks may extend node ``i`` in place: a non-root leaf locked exactly
+        once (by the caller) and never retained, under ``EXTEND_LIMIT`` blocks, whose tail (if any)
+        ``key`` covers."""
+        store = self.store
+        if (store.parent[i] < 0 or store.kids[i] is not None or store.own_locks[i] != 1
+                or store.lock_ref[i] != 1 or store.until[i] != 0.0
+                or len(store.blocks[i]) >= 4 * EXTEND_LIMIT):
+            return False
+        tail = store.tail[i]
+        return tail < 0 or key.startswith(store.keys[tail])
+
+    def extend(self, i: int, key: bytes, blocks: array) -> None:
+        """Append ``key`` and ``blocks`` (held by the caller, not by the tree) to node ``i``, which
+        ``can_extend``; a tail the new tokens cover is dropped. The node is pinned: so are they."""
+        store = self.store
+        if store.tail[i] >= 0:
+            self.drop_tail(i)
+        store.keys[i] += key
+        store.blocks[i] += blocks.tobytes()
+        self.allocator.retain_checked(blocks, distinct=True)
+        self.mark(blocks, 1)
+        self.cached += len(blocks)
+        self.pinned += len(blocks)
 
     def keep_tail(self, node: int, rest: bytes, block: array) -> int:
         """Make ``block`` (holding the tokens ``rest``) the tail of ``node`` unless the tail there or

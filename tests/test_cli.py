@@ -18,8 +18,9 @@ def run_cli(capsys, *argv):
 
 
 def table_lines(out):
-    """The data lines of the printed table (after the title, header and rule)."""
-    return out.splitlines()[3:]
+    """The data lines of the printed table (after the title, header and rule; before any notes)."""
+    lines = out.splitlines()[3:]
+    return lines[:lines.index("")] if "" in lines else lines
 
 
 def test_kv_size_single_preset_default_dtypes(capsys):
@@ -203,3 +204,11 @@ def test_kv_size_notes_a_sliding_window(tmp_path, capsys):
     assert table_lines(out)[0].split()[-4:] == ["4", "GiB", "4", "GiB"]  # every token counted
     code, out = run_cli(capsys, "kv-size", "--model", str(tmp_path / "mistral-v0.1"), "--context", "4k")
     assert "does not cap sequences of 4,096 tokens" in out
+
+
+def test_kv_size_mla_rows_count_expanded_k_and_v_and_note_the_latent(capsys):
+    code, out = run_cli(capsys, "kv-size", "--preset", "deepseek-v3", "--dtype", "bf16")
+    assert code == 0
+    (row,) = table_lines(out)
+    assert "MLA" in row and "192/128" in row and "4,997,120" in row
+    assert "512+64 latent" in out and "68.62 KiB per token in bf16" in out

@@ -100,7 +100,7 @@ def test_kv_geometry_of_a_config_without_attention_heads_names_it():
 
     with pytest.raises(ValueError, match="MambaConfig has no attention heads"):
         kv_geometry(tf.MambaConfig(hidden_size=64, num_hidden_layers=2))
-    assert kv_geometry(tiny_model("llama").config) == (2, 2, 16)
+    assert kv_geometry(tiny_model("llama").config) == (2, 2, 16, 16)
 
 
 def test_a_model_without_attention_heads_gets_an_identity():

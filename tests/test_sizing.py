@@ -46,12 +46,26 @@ def test_mqa_variant_has_one_kv_head():
     assert preset("Llama-3-8B").bytes_per_token("bf16") == 8 * shape.bytes_per_token("bf16")
 
 
-def test_mla_deepseek_v3_caches_latent_plus_rope_without_factor_two():
+def test_mla_deepseek_v3_counts_the_expanded_per_head_k_and_v_the_pool_holds():
+    """transformers expands DeepSeek-V3's latent into 128 heads of K (128 nope + 64 rope) and V
+    (128) before attention; that is what radixcache's pool stores, and what kv-size counts. The
+    latent an MLA-native server caches goes through the same formula: one 512 "K" and one 64 "V"."""
     shape = preset("deepseek-v3")
     assert shape.attention == "MLA"
-    assert (shape.layers, shape.latent_dim, shape.rope_dim) == (61, 512, 64)
-    assert shape.bytes_per_token("bf16") == 61 * (512 + 64) * 2
-    assert shape.bytes_per_token("fp8") == 61 * 576
+    assert (shape.layers, shape.kv_heads, shape.head_dim, shape.head_dim_v) == (61, 128, 192, 128)
+    assert (shape.latent_dim, shape.rope_dim) == (512, 64)
+    assert shape.bytes_per_token("bf16") == 61 * 128 * (192 + 128) * 2 == 4_997_120
+    assert shape.bytes_per_token("fp8") == 61 * 128 * 320
+    assert shape.latent_bytes_per_token("bf16") == 61 * (512 + 64) * 2
+    with pytest.raises(ValueError, match="not MLA"):
+        preset("Llama-3-8B").latent_bytes_per_token()
+
+
+def test_kv_bytes_per_token_counts_k_and_v_head_dims_apart():
+    from radixcache.sizing import kv_bytes_per_token
+
+    assert kv_bytes_per_token(2, 4, 24, 12, 4) == 2 * 4 * 36 * 4
+    assert kv_bytes_per_token(32, 8, 128, 128, 2) == 2 * 32 * 8 * 128 * 2
 
 
 def test_smollm2_preset():
@@ -87,7 +101,9 @@ def test_unknown_preset_and_bad_dtype_raise_value_error():
     (dict(name="x", layers=1, kv_heads=2, head_dim=1, attention="MQA"), "MQA"),
     (dict(name="x", layers=1, kv_heads=4, head_dim=1, attention="GQA", query_heads=4), "GQA"),
     (dict(name="x", layers=1, kv_heads=2, head_dim=1, attention="MHA", query_heads=4), "MHA"),
-    (dict(name="x", layers=1, kv_heads=1, head_dim=8, attention="MLA", latent_dim=4, rope_dim=2), "MLA"),
+    (dict(name="x", layers=1, kv_heads=1, head_dim=8, attention="MLA"), "latent_dim"),
+    (dict(name="x", layers=1, kv_heads=1, head_dim=8, attention="MLA", latent_dim=4, rope_dim=8), "qk_rope"),
+    (dict(name="x", layers=1, kv_heads=2, head_dim=8, attention="GQA", head_dim_v=4), "only to MLA"),
     (dict(name="x", layers=1, kv_heads=2, head_dim=8, attention="GQA", latent_dim=4), "latent_dim"),
 ])
 def test_inconsistent_shapes_raise_value_error(kwargs, message):
@@ -143,10 +159,20 @@ def test_from_config_dicts_including_explicit_head_dim_and_gpt2_names():
 
 def test_from_config_deepseek_mla_dict_matches_preset():
     config = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
-              "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+              "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
+              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
     shape = from_config(config)
     assert shape.attention == "MLA"
     assert shape.bytes_per_token("bf16") == preset("DeepSeek-V3").bytes_per_token("bf16")
+    assert (shape.head_dim, shape.head_dim_v, shape.kv_heads) == (192, 128, 128)
+
+
+def test_from_config_falcon_kv_heads():
+    """Falcon's new decoder architecture caches every query head; its original multi-query one
+    caches one."""
+    base = {"model_type": "falcon", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    assert from_config(dict(base, new_decoder_architecture=True, num_kv_heads=2)).kv_heads == 4
+    assert from_config(dict(base, new_decoder_architecture=False, multi_query=True)).kv_heads == 1
 
 
 def test_from_config_rejects_missing_fields_and_wrong_types():

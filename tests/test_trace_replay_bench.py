@@ -100,12 +100,17 @@ def test_quick_replay_runs_end_to_end(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "== m.jsonl" in result.stdout and "== synthetic agent trace" in result.stdout
     assert "retention - lru hit rate: 1%:" in result.stdout
+    assert result.stdout.count("through CacheManager") == 2
     results = json.loads(out.read_text())
     mooncake, agent = results
     assert {(r["capacity_pct"], r["policy"], r["gc"]) for r in mooncake["rows"]} == {
         (pct, "lru", gc) for pct in (1, 5, 20, 100) for gc in ("on", "off")}
     assert {r["policy"] for r in agent["rows"]} == {"lru", "retention"}
+    assert {(r["capacity_pct"], r["policy"]) for r in agent["manager_rows"]} == {
+        (pct, policy) for pct in (1, 5, 20, 100) for policy in ("lru", "retention")}
     for res in results:
+        ideal = res["rows"][0]["ideal_hit_rate"]
+        assert all(0 < r["hit_rate"] <= ideal + 1e-12 for r in res["manager_rows"])
         full = [r for r in res["rows"] if r["capacity_pct"] == 100]
         assert all(r["hit_rate"] == r["ideal_hit_rate"] for r in full)
         assert all(r["hit_rate"] <= r["ideal_hit_rate"] + 1e-12 for r in res["rows"])

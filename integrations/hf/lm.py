@@ -91,11 +91,12 @@ class CachedLM:
             self.backend = resolve_backend(attention, self.device, self.dtype, storage)
             self.runner = HFModelRunner(model, self.vocab_size, self.device, self.model_id)
             install(model)
-            layers, kv_heads, head_dim = kv_geometry(model.config)
+            geometry = kv_geometry(model.config)
 
             def make_pool(num_blocks: int) -> KVPool:
-                return KVPool(layers, num_blocks, block_size, kv_heads, head_dim, dtype=self.dtype,
-                              device=self.device, kv_dtype=kv_dtype)
+                return KVPool(geometry.layers, num_blocks, block_size, geometry.kv_heads,
+                              geometry.head_dim, dtype=self.dtype, device=self.device,
+                              kv_dtype=kv_dtype, head_dim_v=geometry.head_dim_v)
 
             self.unsupported, self.engine_unsupported = run_self_tests(self, make_pool)
         if self.unsupported and self.engine_unsupported:
@@ -103,8 +104,8 @@ class CachedLM:
         else:
             if max_cache_tokens is None:
                 element = torch.empty((), dtype=storage).element_size()
-                max_cache_tokens = default_cache_tokens(
-                    kv_bytes_per_token(layers, kv_heads, head_dim, element), self.device)
+                max_cache_tokens = default_cache_tokens(kv_bytes_per_token(*geometry, element),
+                                                        self.device)
             self.pool = make_pool(max(1, max_cache_tokens // block_size))
             self.manager = CacheManager(self.pool.num_blocks, block_size, pool=self.pool)
         self.cache = self.manager.tree
@@ -216,7 +217,9 @@ class CachedLM:
                        seed: int | None = None, n: int = 1, cache_salt: str | None = None,
                        priority: int = 0, retain_s: float | None = None, stream: bool = False,
                        progress: bool = False, engine: Engine | None = None):
-        """Continuous-batching generation for ``prompts`` (lists of token ids) over shared blocks.
+        """Continuous-batching generation for ``prompts`` over shared blocks: a list of prompts,
+        each a list (or 1-D tensor) of token ids. A 2-D tensor is refused (``TypeError``): it cannot
+        say which of its ids are padding, so pass its rows as a list when none is padded.
 
         Unset settings come from ``model.generation_config`` and transformers' defaults
         (``max_new_tokens`` 20, ``top_k`` 50, ...); ``temperature`` and the other sampling knobs
@@ -237,7 +240,7 @@ class CachedLM:
         explicit = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                         top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
         settings, total, stops = batch_path.resolve_settings(self.model, explicit, eos_token_id,
-                                                             stop_token_ids)
+                                                             stop_token_ids, self.vocab_size)
         requests = batch_path.build_requests(self, prompts, settings, total, stops, n, seed,
                                              cache_salt, priority, retain_s)
         if self.engine_unsupported:
