@@ -3,8 +3,8 @@
 State: the nodes (``radixcache.nodes.NodeStore``), the eviction order (``radixcache.recency``),
 the namespace roots, the in-tree marks (one byte per pool block: 1 where the tree holds a
 reference), the cached, pinned and partial-tail block counts, and ``events``: None, or the
-``radixcache.kv_events.BlockEventLog`` told of every whole block that enters (``add_child``, the
-only way one does) or leaves (``evict``, the only way one does) the tree.
+``radixcache.kv_events.BlockEventLog`` told of every whole block that enters (``add_child`` and
+``extend``, the only ways one does) or leaves (``evict``, the only way one does) the tree.
 
 Invariants every method keeps (``RadixCache.check`` asserts them):
 
@@ -250,8 +250,11 @@ class TreeBody:
         store = self.store
         if store.tail[i] >= 0:
             self.drop_tail(i)
+        before, added = store.blocks[i], blocks.tobytes()
         store.keys[i] += key
-        store.blocks[i] += blocks.tobytes()
+        store.blocks[i] = before + added
+        if self.events is not None:
+            self.events.extended(self, before, key, added)
         self.allocator.retain_checked(blocks, distinct=True)
         self.mark(blocks, 1)
         self.cached += len(blocks)

@@ -82,6 +82,11 @@ class BlockEventLog:
             record = (STORED, store.blocks[node], None, store.keys[child], store.blocks[child])
         self._put(body, record)
 
+    def extended(self, body, before: bytes, key: bytes, blocks: bytes) -> None:
+        """A node whose blocks were ``before`` was just extended in place by ``key`` / ``blocks``."""
+        if not self.closed:
+            self._put(body, (STORED, before, None, key, blocks))
+
     def removed(self, body, ids: bytes) -> None:
         """The blocks ``ids`` (packed uint32) just left the tree."""
         if not self.closed:
