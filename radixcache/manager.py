@@ -22,6 +22,8 @@ adopts from a lease is offered to it (copied and queued once the manager's lock 
 ``radixcache.offers``; the network is never waited on), and ``prefetch(tokens)``, called before
 ``admit`` by whoever may wait on the network, loads the blocks of a prompt that follow the local
 match from the store into the tree.
+With a KV event publisher (``use_events``), every whole block that enters or leaves the tree
+is published as vLLM's KV events (``radixcache.kv_events``).
 
 Invariants (``check()`` verifies them; the property tests run it after every step):
 
@@ -73,7 +75,8 @@ class CacheManager:
         self.ledger = Ledger()
         self._live: dict[int, Lease] = {}
         self._store_stats: dict = {}  # the store's counters, kept readable after close()
-        self.store = None
+        self._events_stats: dict = {}  # the KV event publisher's, likewise
+        self.store = self.events = None
         self.use_store(store)
 
     # ------------------------------------------------------------------ the lifecycle
@@ -251,16 +254,37 @@ class CacheManager:
         with self.lock:
             self.store = store
 
+    def use_events(self, publisher) -> None:
+        """Publish the tree's whole blocks through ``publisher`` (a
+        ``radixcache.kv_events.KVEventPublisher``; None stops): it starts with ``AllBlocksCleared``
+        and ``BlockStored`` for what the tree holds. A publisher replaced here is not closed."""
+        if publisher is not None and not hasattr(publisher, "log"):
+            raise TypeError(f"use_events takes a KVEventPublisher or None, got "
+                            f"{type(publisher).__name__}")
+        with self.lock:
+            self.tree.set_event_log(None if publisher is None else publisher.log)
+            self.events = publisher
+
+    def resync_events(self) -> None:
+        """Republish the whole state (``AllBlocksCleared``, then ``BlockStored`` for every whole
+        block), e.g. for a subscriber that joined late. Nothing without a publisher."""
+        with self.lock:
+            self.tree.resync_events()
+
     def close(self, timeout: float = 10.0) -> dict:
-        """Flush and close the store (waiting up to ``timeout`` s for queued writes); returns its
-        final counters (empty without a store). The cache itself stays usable, store-less."""
+        """Flush and close the store (waiting up to ``timeout`` s for queued writes) and the KV
+        event publisher (sending what is queued, unbinding); returns their final counters (empty
+        without either). The cache itself stays usable, without them."""
         with self.lock:
             self._offers.finish(self.tree, self.pool)
             store, self.store = self.store, None
-        if store is None:
-            return dict(self._store_stats)
-        self._store_stats = store.close(timeout)
-        return dict(self._store_stats)
+            events = self.events
+            self.use_events(None)
+        if store is not None:
+            self._store_stats = store.close(timeout)
+        if events is not None:
+            self._events_stats = events.close(timeout)
+        return {**self._store_stats, **self._events_stats}
 
     def retain(self, lease: Lease, seconds: float) -> None:
         """Hint that ``lease``'s sequence comes back within ``seconds`` (an agent session waiting on
@@ -299,7 +323,8 @@ class CacheManager:
     def stats(self) -> dict:
         """The ledger (``hit_rate`` = hit / queried tokens) and the sizes in tokens: ``cached_tokens``
         (held by the tree), ``pinned_tokens``, ``evictable_tokens``, ``free_tokens``,
-        ``capacity_tokens``, ``evicted_tokens``, and ``running`` (live leases)."""
+        ``capacity_tokens``, ``evicted_tokens``, and ``running`` (live leases); with a store or a
+        KV event publisher, their counters too (``store_*``, ``kv_events_*``)."""
         with self.lock:
             self._offers.finish(self.tree, self.pool)
             tree, bs = self.tree, self.block_size
@@ -311,7 +336,10 @@ class CacheManager:
                        evicted_tokens=tree.stats.evicted_blocks * bs, running=len(self._live))
             if self.store is not None:
                 self._store_stats = self.store.stats()
+            if self.events is not None:
+                self._events_stats = self.events.stats()
             out.update(self._store_stats)
+            out.update(self._events_stats)
             return out
 
     def reset_stats(self) -> None:

@@ -103,6 +103,13 @@ class RadixCache:
         return self.body.cached - self.body.pinned
 
     @property
+    def whole_blocks(self) -> int:
+        """Whole blocks the tree holds (partial tails not counted): with KV events on, exactly the
+        blocks announced by ``BlockStored`` and not yet by ``BlockRemoved`` since the last
+        ``AllBlocksCleared``."""
+        return self.body.cached - self.body.tails
+
+    @property
     def cached_tokens(self) -> int:
         """Tokens covered by the blocks the tree holds."""
         return self.body.cached * self.block_size
@@ -343,10 +350,41 @@ class RadixCache:
         return dropped
 
     def reset(self) -> None:
-        """Drop every unpinned node (pinned paths stay) and release the tree's references on them."""
-        self.evict(self.evictable_blocks)
-        for root in list(self.body.root_ns):
-            self.body.drop_idle_root(root)
+        """Drop every unpinned node (pinned paths stay) and release the tree's references on them.
+        KV events announce it as ``AllBlocksCleared``, then ``BlockStored`` for what stays."""
+        body = self.body
+        events, body.events = body.events, None
+        try:
+            self.evict(self.evictable_blocks)
+            for root in list(body.root_ns):
+                body.drop_idle_root(root)
+        finally:
+            body.events = events
+        if events is not None:
+            events.resync(body)
+
+    # ----------------------------------------------------------------- KV events
+    def set_event_log(self, log) -> None:
+        """Tell ``log`` (a ``radixcache.kv_events.BlockEventLog``, or None to stop) of every whole
+        block that enters or leaves the tree from now on. Attaching starts the log with
+        ``AllBlocksCleared`` and ``BlockStored`` for every whole block the tree holds already. Call
+        it under the lock of whoever changes the tree (``CacheManager.use_events`` does). A log that
+        follows another tree or is closed raises ``ValueError``, with nothing changed."""
+        body = self.body
+        if log is not None and log is body.events:
+            log.resync(body)
+            return
+        if log is not None:
+            log.attach(body)
+        if body.events is not None:
+            body.events.detach(body)
+        body.events = log
+
+    def resync_events(self) -> None:
+        """Publish ``AllBlocksCleared`` and ``BlockStored`` for every whole block the tree holds (for
+        a subscriber that joined late); nothing without an event log."""
+        if self.body.events is not None:
+            self.body.events.resync(self.body)
 
     # ----------------------------------------------------------------- introspection
     def path_blocks(self, node: Node) -> tuple:

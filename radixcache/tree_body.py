@@ -2,7 +2,9 @@
 
 State: the nodes (``radixcache.nodes.NodeStore``), the eviction order (``radixcache.recency``),
 the namespace roots, the in-tree marks (one byte per pool block: 1 where the tree holds a
-reference) and the cached and pinned block counts.
+reference), the cached, pinned and partial-tail block counts, and ``events``: None, or the
+``radixcache.kv_events.BlockEventLog`` told of every whole block that enters (``add_child`` and
+``extend``, the only ways one does) or leaves (``evict``, the only way one does) the tree.
 
 Invariants every method keeps (``RadixCache.check`` asserts them):
 
@@ -56,6 +58,13 @@ class TreeBody:
         self.in_tree = bytearray(allocator.num_blocks)
         self.cached = 0
         self.pinned = 0
+        self.tails = 0     # partial tails: cached - tails are the tree's whole blocks
+        self.events = None  # a BlockEventLog, when KV events are published
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["events"] = None  # a copy of the tree has no subscribers
+        return state
 
     # ----------------------------------------------------------------- roots and predicates
     def root(self, namespace: Hashable) -> int:
@@ -211,6 +220,8 @@ class TreeBody:
         self.allocator.retain_checked(blocks, distinct=True)
         self.mark(blocks, 1)
         self.cached += len(blocks)
+        if self.events is not None:
+            self.events.stored(self, node, child)
         return child
 
     def depth(self, i: int) -> int:
@@ -239,8 +250,11 @@ class TreeBody:
         store = self.store
         if store.tail[i] >= 0:
             self.drop_tail(i)
+        before, added = store.blocks[i], blocks.tobytes()
         store.keys[i] += key
-        store.blocks[i] += blocks.tobytes()
+        store.blocks[i] = before + added
+        if self.events is not None:
+            self.events.extended(self, before, key, added)
         self.allocator.retain_checked(blocks, distinct=True)
         self.mark(blocks, 1)
         self.cached += len(blocks)
@@ -267,6 +281,7 @@ class TreeBody:
         self.allocator.retain_checked(block)
         self.in_tree[block[0]] = 1
         self.cached += 1
+        self.tails += 1
         return tail
 
     # ----------------------------------------------------------------- shrinking
@@ -280,6 +295,7 @@ class TreeBody:
         self.allocator.release(block)
         self.in_tree[block[0]] = 0
         self.cached -= 1
+        self.tails -= 1
         store.free(tail)
 
     def remove_leaf(self, i: int) -> None:
@@ -326,12 +342,16 @@ class TreeBody:
                 store.keys[i] = store.keys[i][:keep * bs4]
                 recency.add(i)
             else:
+                if len(store.keys[i]) < bs4:
+                    self.tails -= 1
                 self.remove_leaf(i)
         if gone:
             ids = array("I", gone)
             self.allocator.release(ids)
             self.mark(ids, 0)
             self.cached -= dropped
+            if self.events is not None:
+                self.events.removed(self, bytes(gone))  # tails among them were never announced
         return dropped
 
     # ----------------------------------------------------------------- pins

@@ -41,7 +41,7 @@ def check_tree(body, block_size: int) -> None:
         assert _lock_ref_ok(store, r), "root lock count is not own locks + children's"
     assert len(body.root_ns) == len(body.roots), "root tables out of step"
     stack = [(r, c) for r in body.roots.values() for c in body.below(r)]
-    leaves, visited, pinned = set(), 0, 0
+    leaves, visited, pinned, tails = set(), 0, 0, 0
     held = bytearray()
     while stack:
         p, i = stack.pop()
@@ -52,6 +52,7 @@ def check_tree(body, block_size: int) -> None:
         assert store.access[p] >= store.access[i], f"node {p}: older than child {i}"
         if body.is_tail(i):
             _check_tail(body, p, i)
+            tails += 1
         else:
             assert len(key) == len(blocks) * block_size > 0, f"node {i}: key/blocks length mismatch"
             assert store.kids[p].get(key[:bs4]) == i, f"node {i}: wrong child key"
@@ -72,4 +73,5 @@ def check_tree(body, block_size: int) -> None:
     assert marks[v].all() and int(marks.sum()) == v.size, "in-tree marks disagree with the nodes"
     assert v.size == body.cached, f"cached_blocks {body.cached} != {v.size}"
     assert pinned == body.pinned, f"pinned_blocks {body.pinned} != {pinned}"
+    assert tails == body.tails, f"partial tails {body.tails} != {tails}"
     body.recency.check(leaves)

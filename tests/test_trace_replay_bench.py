@@ -118,3 +118,26 @@ def test_quick_replay_runs_end_to_end(tmp_path):
         for r in res["rows"]:
             for clock in ("wall", "cpu"):
                 assert r["timings"][clock]["worst"]["ms"] > 0
+
+
+def test_quick_replay_with_kv_events_compares_off_log_and_on(tmp_path):
+    """`--kv-events`: every row replayed with events off, logged and published, the same hits, the
+    side-by-side table, and a publisher that sent batches and dropped nothing."""
+    trace = write_trace(tmp_path / "m.jsonl", MOONCAKE * 40)
+    out = tmp_path / "replay.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "trace_replay.py"), "--quick", "--trace", trace,
+         "--no-agent", "--capacities", "5,100", "--kv-events", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "KV events: off, log" in result.stdout
+    rows = json.loads(out.read_text())[0]["rows"]
+    assert [(r["capacity_pct"], r["kv_events"]) for r in rows] == [
+        (pct, e) for pct in (5, 100) for e in ("off", "log", "on")]
+    for pct in (5, 100):
+        hits = {r["hit_tokens"] for r in rows if r["capacity_pct"] == pct}
+        assert len(hits) == 1  # events never change what the tree does
+    published = [r for r in rows if r["kv_events"] == "on"]
+    assert all(r["publisher"]["kv_events_batches"] > 0 for r in published)
+    assert all(r["publisher"]["kv_events_dropped"] == 0 for r in published)

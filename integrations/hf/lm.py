@@ -30,6 +30,7 @@ from radixcache.integrations.hf.resources import default_cache_tokens, open_stor
 from radixcache.integrations.hf.runner import HFModelRunner
 from radixcache.integrations.hf.selftest import run_self_tests
 from radixcache.kv.pool import KVPool, resolve_kv_dtype
+from radixcache.kv_events import open_publisher
 from radixcache.manager import CacheManager
 from radixcache.sizing import kv_bytes_per_token
 
@@ -38,7 +39,8 @@ logger = logging.getLogger("radixcache")
 
 
 def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dtype=None,
-         attention: str = "auto", model_id: str | None = None, store=None) -> CachedLM:
+         attention: str = "auto", model_id: str | None = None, store=None,
+         kv_events=None) -> CachedLM:
     """Wrap a transformers causal LM so that ``generate`` reuses every cached prefix.
 
     ``max_cache_tokens`` sizes the KV pool (default: 25% of available RAM on CPU, 50% of free GPU
@@ -49,13 +51,17 @@ def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dt
     URL; ``?ttl=`` seconds) or any ``radixcache.store.BlockStore``; blocks committed here are
     written to it in the background and prompts load what it holds after the local match. A store
     that is down or slow is a miss, never an error. Call ``lm.close()`` (or use ``with``) to flush.
+    ``kv_events``: publish the tree's whole blocks as vLLM's KV events for KV-aware routers, an
+    endpoint to bind (``tcp://HOST:PORT``) or a ``radixcache.kv_events.KVEventPublisher``;
+    ``lm.close()`` closes it.
 
     A model the paged path can never serve (non-attention layers such as Mamba's, an ALiBi bias,
     an encoder-decoder) or that fails both self-tests gets no pool: ``lm.unsupported`` names why,
     ``generate`` / ``generate_batch`` are plain transformers and ``new_engine`` refuses.
     """
     return CachedLM(model, block_size=block_size, max_cache_tokens=max_cache_tokens,
-                    kv_dtype=kv_dtype, attention=attention, model_id=model_id, store=store)
+                    kv_dtype=kv_dtype, attention=attention, model_id=model_id, store=store,
+                    kv_events=kv_events)
 
 
 class CachedLM:
@@ -64,7 +70,8 @@ class CachedLM:
     it. ``cache`` is the ``RadixCache``, ``manager`` its ``CacheManager``, ``model`` the model."""
 
     def __init__(self, model, *, block_size: int = 16, max_cache_tokens: int | None = None,
-                 kv_dtype=None, attention: str = "auto", model_id: str | None = None, store=None):
+                 kv_dtype=None, attention: str = "auto", model_id: str | None = None, store=None,
+                 kv_events=None):
         check_wrap_arguments(model, block_size, max_cache_tokens, attention, model_id)
         self.model = model
         self.block_size = block_size
@@ -107,6 +114,11 @@ class CachedLM:
         elif store is not None:
             logger.warning("radixcache: %s; the store is not used (plain model.generate)",
                            self.unsupported)
+        try:
+            self.manager.use_events(open_publisher(kv_events))
+        except BaseException:  # a bad kv_events: nothing stays open
+            self.manager.close()
+            raise
 
     # ------------------------------------------------------------------ identity
     def namespace(self, cache_salt: str | None = None) -> tuple:
@@ -288,8 +300,9 @@ class CachedLM:
 
     def close(self, timeout: float = 10.0) -> dict:
         """Flush the shared store: wait up to ``timeout`` s for queued block writes, then stop
-        using it; returns its final counters (``store_written_blocks``, ``store_dropped_blocks``,
-        ...; also in ``stats()`` afterwards). The cache stays usable, without the store. Idempotent."""
+        using it, and close the KV event publisher (what is queued is sent first); returns their
+        final counters (``store_written_blocks``, ``store_dropped_blocks``, ``kv_events_batches``,
+        ...; also in ``stats()`` afterwards). The cache stays usable, without them. Idempotent."""
         return self.manager.close(timeout)
 
     def __enter__(self) -> CachedLM:
