@@ -46,7 +46,7 @@ class System:
 
         self.torch = torch
         from radixcache.integrations.hf import kv_geometry
-        from radixcache.sizing import kv_bytes_per_token
+        from radixcache.kv.geometry import kv_bytes_per_token
 
         element = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
         self.bytes_per_token = kv_bytes_per_token(*kv_geometry(model.config), element)

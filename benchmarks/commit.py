@@ -15,7 +15,7 @@ sequence from the root at every block boundary (timed the same way, one call per
 With ``--store``, a second table runs the same decode with a store attached whose ``offer``
 snapshots every block it is given through the pool (a CPU ``KVPool`` of SmolLM2-135M's geometry,
 bf16) and sends nothing: it shows how long the manager's lock is held per block (the commit, timed
-inside an outer ``with manager.lock``) against the whole call (the lock's release included, where
+inside an outer ``with manager.mutex``) against the whole call (the lock's release included, where
 the snapshot is taken once the lock is free).
 
     python benchmarks/commit.py [--quick] [--store] [--tokens array|list] [--json PATH]
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import table  # noqa: E402
 
 from radixcache import BlockAllocator, RadixCache  # noqa: E402
-from radixcache.manager import CacheManager  # noqa: E402
+from radixcache.lifecycle.manager import CacheManager  # noqa: E402
 
 BS = 16
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -53,7 +53,7 @@ def tokens_for(n: int, seed: int) -> array:
 
 def decode_manager(context: int, blocks: int, form: str, seed: int, store=None, pool=None):
     """Per-block cost (us) of grow + commit over ``blocks`` decoded blocks after ``context``
-    tokens: the whole calls and the lock-held part (inside an outer ``with manager.lock``), each
+    tokens: the whole calls and the lock-held part (inside an outer ``with manager.mutex``), each
     on the wall clock and on this thread's CPU clock (which leaves out waiting for a core)."""
     total = context + blocks * BS
     mgr = CacheManager(total // BS + 8, BS, pool=pool, store=store)
@@ -67,7 +67,7 @@ def decode_manager(context: int, blocks: int, form: str, seed: int, store=None, 
     for i in range(context, total):
         tokens.append(seq[i])
         t0, c0 = wall(), cpu()
-        with mgr.lock:
+        with mgr.mutex:
             mgr.grow(lease, i + 1)
             mgr.commit(lease, tokens, i + 1)
             t1, c1 = wall(), cpu()

@@ -3,7 +3,7 @@
 Each server is started as a subprocess on a free loopback port, on the same local model directory
 (offline: ``HF_HUB_OFFLINE=1``), warmed up with one short request and then driven by ``sessions``
 concurrent agent sessions (first 1, then 8). A session is the demo's agent: a system message with the
-tool preamble (``radixcache.demo.build_system_prompt``, about 1,500 tokens on SmolLM2), then per
+tool preamble (``radixcache.app.demo.build_system_prompt``, about 1,500 tokens on SmolLM2), then per
 turn a user request, the streamed greedy reply (``max_tokens`` 24), a tool result as a ``tool``
 message; every request sends the whole conversation as messages, as agent frameworks do.
 
@@ -108,14 +108,14 @@ class Workload:
     """The demo's agent: prompts rendered client-side only to count tokens and the ideal hit."""
 
     def __init__(self, tokenizer, system_tokens: int, template: str | None = None):
-        from radixcache.demo import build_system_prompt
+        from radixcache.app.demo import build_system_prompt
         from radixcache.integrations.serve.chat_template import ChatRenderer
 
         self.system, self.tools = build_system_prompt(tokenizer, system_tokens)
         self.renderer = ChatRenderer(tokenizer, template)
 
     def request(self, session: int, turn: int) -> tuple[str, str]:
-        from radixcache.demo import script_step
+        from radixcache.app.demo import script_step
 
         request, result = script_step(turn + session)
         return f"[session {session + 1}] {request}", result

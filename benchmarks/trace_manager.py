@@ -20,7 +20,7 @@ import numpy as np
 
 from benchmarks.report import fmt, table
 from benchmarks.trace_replay import Timings, pool_blocks
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 
 
 def replay_manager(trace, order, capacity: int, policy: str, bs: int, retain_s: float,

@@ -76,13 +76,13 @@ def tree_bytes(tree: RadixCache) -> int:
     """Bytes the tree's own structures hold, counted object by object (``sys.getsizeof``): the
     node columns, every node's tokens, block ids and child table, the recency tiers, and the
     in-tree marks (one byte per pool block). Ints shared with other structures count once."""
-    store, recency = tree.store, tree.recency
-    total = sum(sys.getsizeof(col) for col in (store.parent, store.lock_ref, store.own_locks, store.access,
-                                               store.until, store.gen, store.free_ids, store.keys,
-                                               store.blocks, store.kids))
-    total += sum(sys.getsizeof(k) for k in store.keys if k is not None)
-    total += sum(sys.getsizeof(b) for b in store.blocks)
-    total += sum(sys.getsizeof(d) for d in store.kids if d is not None)
+    nodes, recency = tree.node_table, tree.recency
+    total = sum(sys.getsizeof(col) for col in (nodes.parent, nodes.lock_ref, nodes.own_locks, nodes.access,
+                                               nodes.until, nodes.gen, nodes.free_ids, nodes.keys,
+                                               nodes.blocks, nodes.kids))
+    total += sum(sys.getsizeof(k) for k in nodes.keys if k is not None)
+    total += sum(sys.getsizeof(b) for b in nodes.blocks)
+    total += sum(sys.getsizeof(d) for d in nodes.kids if d is not None)
     for tier in (recency.lru, recency.kept, recency.expiry):
         total += sum(sys.getsizeof(x) + 8 for x in tier)  # each entry and its list slot
     total += sys.getsizeof(recency.where) + sys.getsizeof(recency.retained)

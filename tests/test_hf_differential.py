@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import radixcache
-from radixcache.sizing import from_config
+from radixcache.app.kv_size import from_config
 from tiny_models import FAMILIES, random_ids, tiny_model
 
 BS = 4

@@ -13,7 +13,7 @@ import pytest
 from kv_event_subscriber import BlockSet, Subscriber, event_hash, tree_blocks
 from radixcache import BlockAllocator, RadixCache
 from radixcache.kv_events import BlockEventLog, EventTranslator, KVEventPublisher, open_publisher
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 from radixcache.store.keys import block_digests, tree_namespace_digest
 
 BS = 4
@@ -49,7 +49,7 @@ def settle(mgr, pub, sub):
     """Everything queued so far sent and received; the subscriber's view equals the tree."""
     assert pub.flush()
     sub.receive_until(pub.batches)
-    with mgr.lock:
+    with mgr.mutex:
         assert sub.blocks == tree_blocks(mgr.tree)
         assert len(sub.blocks) == mgr.tree.whole_blocks == sub.stored - sub.removed
     assert pub.stats()["kv_events_dropped"] == 0 and pub.errors == 0
@@ -345,7 +345,7 @@ def test_a_record_the_publisher_cannot_apply_is_counted_and_resynced(wired):
     run(mgr, list(range(1, 9)))
     settle(mgr, pub, sub)
     log = pub.log
-    with mgr.lock:  # as if the tree had logged a child below a block nobody announced
+    with mgr.mutex:  # as if the tree had logged a child below a block nobody announced
         log.records.append((0, array("I", [20]).tobytes(), None, bytes(4 * BS),
                             array("I", [21]).tobytes()))
         log.appended += 1

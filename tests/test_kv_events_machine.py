@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kv_event_subscriber import Subscriber, tree_blocks
 from radixcache import OutOfBlocks
 from radixcache.kv_events import KVEventPublisher
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 
 BS = 2
 NUM_BLOCKS = 12
@@ -79,7 +79,7 @@ class EventsMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, NUM_BLOCKS))
     def evict(self, n):
-        with self.mgr.lock:
+        with self.mgr.mutex:
             self.mgr.tree.evict(n)
 
     @rule()

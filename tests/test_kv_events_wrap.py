@@ -21,7 +21,7 @@ def model():
 def settled(lm, pub, sub):
     assert pub.flush()
     sub.receive_until(pub.batches)
-    with lm.manager.lock:
+    with lm.manager.mutex:
         assert sub.blocks == tree_blocks(lm.cache)
         assert len(sub.blocks) == lm.cache.whole_blocks
 

@@ -3,7 +3,7 @@
 import pytest
 
 from radixcache import CacheError, OutOfBlocks
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 from test_manager_properties import ContentPool
 
 BS = 4

@@ -9,7 +9,7 @@ import torch
 
 from radixcache import CacheError
 from radixcache.kv.pool import KVPool
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 from test_manager_properties import ContentPool
 
 BS = 4
@@ -212,8 +212,8 @@ class LockProbeStore:
         return len(blocks)
 
     def _try_lock(self):
-        if self.manager.lock.acquire(timeout=0.2):
-            self.manager.lock.release()
+        if self.manager.mutex.acquire(timeout=0.2):
+            self.manager.mutex.release()
             return True
         return False
 
@@ -234,7 +234,7 @@ def test_offers_are_copied_outside_the_lock_and_their_blocks_kept_until_then():
     mgr = CacheManager(16, BS, pool=pool, store=store)
     store.manager = mgr
     tokens = list(range(1, 14))
-    with mgr.lock:
+    with mgr.mutex:
         lease = mgr.admit(tokens)
         mgr.grow(lease, 13)
         fill(pool, lease.blocks, seed=1)
@@ -257,7 +257,7 @@ def test_counting_freeable_blocks_inside_the_lock_finishes_the_offers_first():
     mgr = CacheManager(16, BS, pool=pool, store=store)
     store.manager = mgr
     tokens = list(range(1, 10))
-    with mgr.lock:
+    with mgr.mutex:
         lease = mgr.admit(tokens)
         mgr.grow(lease, 9)
         mgr.commit(lease, tokens, 9)

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixcache import CacheError, OutOfBlocks
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 
 NUM_BLOCKS = 10
 NAMESPACES = ((), ("tenant",))
@@ -268,12 +268,12 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), retain_s=st.sampled_from([None, 0.0, 30.0]), k=st.integers(0, NUM_BLOCKS),
           more=st.booleans())
     def finish_inside_one_hold_of_the_lock(self, data, retain_s, k, more):
-        """Inside one ``with manager.lock``: commit what is pending, ``finish`` a sequence (the
+        """Inside one ``with manager.mutex``: commit what is pending, ``finish`` a sequence (the
         blocks it adds are offered, the copies deferred until the lock is free), evict, and admit,
         grow and write another sequence, which may take blocks."""
         seq = data.draw(st.sampled_from(self.seqs), label="sequence")
         lease = seq.lease
-        with self.mgr.lock:
+        with self.mgr.mutex:
             if getattr(seq, "pending", None):
                 self.mgr.commit(lease, seq.tokens, max(seq.pending, lease.computed))
             computed = lease.computed

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from radixcache.cli import build_parser
+from radixcache.app.cli import build_parser
 from radixcache.integrations.serve.options import ServeOptions
 from radixcache.integrations.serve.server import build_state
 from serve_helpers import DRIFT_GENERATION_THINK, free_socket, write_model_dir
@@ -66,7 +66,7 @@ def test_radixcache_serve_runs_and_stops_on_ctrl_c(tmp_path):
     with free_socket() as sock:
         port = sock.getsockname()[1]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(model),
+    proc = subprocess.Popen([sys.executable, "-m", "radixcache.app.cli", "serve", "--model", str(model),
                              "--port", str(port), "--max-cache-tokens", "4096", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -97,6 +97,6 @@ def test_radixcache_serve_runs_and_stops_on_ctrl_c(tmp_path):
 
 
 def test_bad_options_exit_with_a_message(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "radixcache.app.cli", "serve", "--model", str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no config.json" in result.stderr

@@ -7,10 +7,8 @@ import sys
 
 import pytest
 
-from radixcache.sizing import (
-    DTYPE_BYTES, PRESETS, KVShape, format_bytes, from_config, from_model_dir, kv_size_table, preset,
-    render_kv_table,
-)
+from radixcache.app.kv_size import DTYPE_BYTES, PRESETS, KVShape, from_config, from_model_dir, preset
+from radixcache.app.kv_size_table import format_bytes, kv_size_table, render_kv_table
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 
@@ -62,7 +60,7 @@ def test_mla_deepseek_v3_counts_the_expanded_per_head_k_and_v_the_pool_holds():
 
 
 def test_kv_bytes_per_token_counts_k_and_v_head_dims_apart():
-    from radixcache.sizing import kv_bytes_per_token
+    from radixcache.kv.geometry import kv_bytes_per_token
 
     assert kv_bytes_per_token(2, 4, 24, 12, 4) == 2 * 4 * 36 * 4
     assert kv_bytes_per_token(32, 8, 128, 128, 2) == 2 * 32 * 8 * 128 * 2
@@ -245,14 +243,14 @@ def test_dtype_table_is_the_documented_one():
 
 
 def test_sizing_import_stays_light():
-    code = ("import sys, radixcache.sizing, radixcache.cli; "
+    code = ("import sys, radixcache.app.kv_size, radixcache.app.cli; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_sequences_that_fit_and_the_memory_column():
-    from radixcache.sizing import sequences_that_fit
+    from radixcache.app.kv_size_table import sequences_that_fit
 
     assert sequences_that_fit(preset("Llama-3-8B"), 65 * GIB, 8192, "bf16") == 65
     assert sequences_that_fit(preset("LLaMA-7B"), 65 * GIB, 8192, "bf16") == 16

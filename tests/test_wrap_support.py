@@ -147,7 +147,7 @@ def test_radixcache_serve_refuses_an_alibi_model_with_the_reason(tmp_path):
     config = tf.BloomConfig(vocab_size=len(embedded_tokenizer()), hidden_size=64, n_layer=2, n_head=4,
                             max_position_embeddings=512)  # the server reads its context length
     tf.BloomForCausalLM(config).eval().save_pretrained(path)
-    result = subprocess.run([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(path),
+    result = subprocess.run([sys.executable, "-m", "radixcache.app.cli", "serve", "--model", str(path),
                              "--port", "9"], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 1, result.stderr

@@ -275,7 +275,7 @@ class PagedCache(PlannedCache):
         self.completed = previous  # the forward before this one ran every layer
         self._record(self.tokens_seen.latest, previous, n)
         end = previous + n
-        with self.manager.lock:
+        with self.manager.mutex:
             self._commit()
             try:
                 for row in self.rows:
@@ -337,7 +337,7 @@ class PagedCache(PlannedCache):
             self.completed = self.length
             if sequences.shape[1] > self.length:  # the last token, never fed: no K/V
                 self._record(sequences, self.length, sequences.shape[1] - self.length)
-        with self.manager.lock:
+        with self.manager.mutex:
             try:
                 self._commit()
                 retain_s = self.retain_s if sequences is not None else None

@@ -71,7 +71,7 @@ def generate_paged(lm, ids: torch.Tensor, mask: torch.Tensor, config, kwargs: di
     for tokens in prompts:  # a shared store's blocks after the local match (the network, no lock)
         manager.prefetch(tokens, namespace)
     rows = []
-    with manager.lock:
+    with manager.mutex:
         try:
             for tokens, pad in zip(prompts, pads):
                 rows.append(GenerateRow(tokens, pad, manager.admit(tokens, namespace)))

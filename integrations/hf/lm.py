@@ -31,8 +31,8 @@ from radixcache.integrations.hf.runner import HFModelRunner
 from radixcache.integrations.hf.selftest import run_self_tests
 from radixcache.kv.pool import KVPool, resolve_kv_dtype
 from radixcache.kv_events import open_publisher
-from radixcache.manager import CacheManager
-from radixcache.sizing import kv_bytes_per_token
+from radixcache.lifecycle.manager import CacheManager
+from radixcache.kv.geometry import kv_bytes_per_token
 
 logger = logging.getLogger("radixcache")
 

@@ -21,7 +21,7 @@ from radixcache.attention.plan import Segment, StepPlan
 from radixcache.integrations.hf.attention import UnsupportedAttention
 from radixcache.integrations.hf.generate import generate_paged
 from radixcache.integrations.hf.inputs import checked_generation_config
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 
 NAMESPACE = ("radixcache self-test",)
 PROBE_BLOCKS = 10  # generate's probe (3 blocks, a copied tail) and the engine's (3) side by side

@@ -106,7 +106,7 @@ class Engine:
             self._inbox.append(("abort", request_id, sample))
         if self._busy.acquire(blocking=False):
             try:
-                with self.manager.lock:
+                with self.manager.mutex:
                     self._pending.extend(self._drain())
             finally:
                 self._busy.release()
@@ -120,7 +120,7 @@ class Engine:
         and the engine stays usable; ``KeyboardInterrupt`` and the like do the same, then propagate.
         """
         with self._busy:
-            with self.manager.lock:
+            with self.manager.mutex:
                 events, self._pending = self._pending, []
                 events.extend(self._drain())
                 sched = self.scheduler
@@ -135,7 +135,7 @@ class Engine:
                 self.metrics.peak_used_blocks = max(self.metrics.peak_used_blocks, used)
             if batch:
                 logits = self._forward(batch, events)
-                with self.manager.lock:
+                with self.manager.mutex:
                     if logits is not None:
                         events.extend(self._advance(batch, logits))
                     events.extend(self._drain())
@@ -220,7 +220,7 @@ class Engine:
             logits = self.runner.forward(tokens, positions, plan, keep or [0])
         except BaseException as e:
             self.last_error = e
-            with self.manager.lock:
+            with self.manager.mutex:
                 events.extend(self._fail({seq.request.request_id for seq, _ in batch}, e))
             if not isinstance(e, Exception):
                 raise

@@ -157,7 +157,7 @@ class Scheduler:
 
     def _sync_peeks(self) -> None:
         """Carry every waiting sequence's last peek forward to the tree's epoch unless an insert
-        since (``radixcache.tree_log``) began with one of its blocks at or before the first one
+        since (``radixcache.tree.changes``) began with one of its blocks at or before the first one
         the peek did not find: only those can have grown."""
         changes = self.manager.tree.changes
         epoch, old = changes.epoch, self._synced

@@ -21,7 +21,7 @@ import torch
 from radixcache.engine.engine import Engine
 from radixcache.engine.runner import ModelRunner
 from radixcache.kv.pool import KVPool
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 
 MIX = 2654435761  # Knuth's multiplicative hash constant: spreads the weighted sums over the vocabulary
 ONE_HOT = 100.0  # the chosen logit: sampling at any temperature near 1 picks it too (e**-100 elsewhere)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from radixcache.kv.payload import FP8_MAX, fp8_in_scales, write_payload
-from radixcache.sizing import kv_bytes_per_token
+from radixcache.kv.geometry import kv_bytes_per_token
 from radixcache.store import BlockKV
 
 FP8_HEADROOM = 4.0  # calibration puts the first write's amax at FP8_MAX / FP8_HEADROOM

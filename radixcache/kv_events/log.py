@@ -75,11 +75,11 @@ class BlockEventLog:
         """Node ``child`` (whole blocks) was just added below ``node``."""
         if self.closed:
             return
-        store = body.store
-        if store.parent[node] < 0:
-            record = (STORED, None, body.root_ns[node], store.keys[child], store.blocks[child])
+        nodes = body.nodes
+        if nodes.parent[node] < 0:
+            record = (STORED, None, body.root_ns[node], nodes.keys[child], nodes.blocks[child])
         else:
-            record = (STORED, store.blocks[node], None, store.keys[child], store.blocks[child])
+            record = (STORED, nodes.blocks[node], None, nodes.keys[child], nodes.blocks[child])
         self._put(body, record)
 
     def extended(self, body, before: bytes, key: bytes, blocks: bytes) -> None:
@@ -136,8 +136,8 @@ class BlockEventLog:
 
 def snapshot(body) -> tuple:
     """``(SYNC, num_blocks, block_size, entries)``: every non-tail node of ``body``, parents first."""
-    store = body.store
-    keys, blocks, kids = store.keys, store.blocks, store.kids
+    nodes = body.nodes
+    keys, blocks, kids = nodes.keys, nodes.blocks, nodes.kids
     entries = []
     for root, namespace in body.root_ns.items():
         stack = [(None, namespace, c) for c in (kids[root] or {}).values()]

@@ -16,21 +16,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixcache.table import render_table
+from radixcache.kv.geometry import kv_bytes_per_token
 
 ATTENTION_KINDS = ("MHA", "GQA", "MQA", "MLA")
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
-_KIB = 1024
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-
-
-def _check_int(value, what: str, minimum: int) -> int:
+def check_int(value, what: str, minimum: int) -> int:
+    """``value`` when it is an int >= ``minimum``; TypeError/ValueError naming ``what`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, got {type(value).__name__}")
     if value < minimum:
@@ -51,19 +48,11 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}") from None
 
 
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim_k: int, head_dim_v: int,
-                       element_bytes: int) -> int:
-    """The bytes-per-token formula: layers x kv_heads x (head_dim_k + head_dim_v) x bytes per
-    element (K and V of every layer). Every byte count in radixcache (the pool, the sizing table,
-    benchmarks) comes from here."""
-    return layers * kv_heads * (head_dim_k + head_dim_v) * element_bytes
-
-
 def classify_attention(query_heads: int, kv_heads: int) -> str:
     """The attention kind implied by head counts: "MQA" if one KV head, "MHA" if as many KV heads
     as query heads, else "GQA". Raises ValueError if kv_heads exceeds query_heads."""
-    _check_int(query_heads, "query_heads", 1)
-    _check_int(kv_heads, "kv_heads", 1)
+    check_int(query_heads, "query_heads", 1)
+    check_int(kv_heads, "kv_heads", 1)
     if kv_heads > query_heads:
         raise ValueError(f"kv_heads ({kv_heads}) cannot exceed query heads ({query_heads})")
     if kv_heads == 1:
@@ -103,18 +92,18 @@ class KVShape:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise TypeError("name must be a non-empty string")
-        _check_int(self.layers, "layers", 1)
-        _check_int(self.kv_heads, "kv_heads", 1)
-        _check_int(self.head_dim, "head_dim", 1)
+        check_int(self.layers, "layers", 1)
+        check_int(self.kv_heads, "kv_heads", 1)
+        check_int(self.head_dim, "head_dim", 1)
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
-        _check_int(self.latent_dim, "latent_dim", 0)
-        _check_int(self.rope_dim, "rope_dim", 0)
+        check_int(self.latent_dim, "latent_dim", 0)
+        check_int(self.rope_dim, "rope_dim", 0)
         if self.query_heads is not None:
-            _check_int(self.query_heads, "query_heads", 1)
+            check_int(self.query_heads, "query_heads", 1)
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
-        _check_int(self.head_dim_v, "head_dim_v", 1)
+        check_int(self.head_dim_v, "head_dim_v", 1)
         self._check_window()
         if self.attention == "MLA":
             self._check_mla()
@@ -122,12 +111,12 @@ class KVShape:
             self._check_heads()
 
     def _check_window(self):
-        _check_int(self.sliding_layers, "sliding_layers", 0)
+        check_int(self.sliding_layers, "sliding_layers", 0)
         if self.sliding_window is None:
             if self.sliding_layers:
                 raise ValueError(f"{self.name}: sliding_layers without a sliding_window")
             return
-        _check_int(self.sliding_window, "sliding_window", 1)
+        check_int(self.sliding_window, "sliding_window", 1)
         if not 1 <= self.sliding_layers <= self.layers:
             raise ValueError(f"{self.name}: a sliding window needs 1..{self.layers} sliding_layers, "
                              f"got {self.sliding_layers}")
@@ -167,8 +156,8 @@ class KVShape:
             latent_dim: int, kv_heads: int | None = None) -> KVShape:
         """An MLA shape: per head, K of ``nope_dim + rope_dim`` and V of ``v_dim`` elements (what
         the pool holds), expanded from a ``latent_dim + rope_dim`` latent."""
-        _check_int(nope_dim, "nope_dim", 1)
-        _check_int(rope_dim, "rope_dim", 0)
+        check_int(nope_dim, "nope_dim", 1)
+        check_int(rope_dim, "rope_dim", 0)
         return cls(name, layers, heads if kv_heads is None else kv_heads, nope_dim + rope_dim, "MLA",
                    latent_dim=latent_dim, rope_dim=rope_dim, query_heads=heads, head_dim_v=v_dim)
 
@@ -191,17 +180,17 @@ class KVShape:
 
     def bytes_per_sequence(self, context: int, dtype: str = "bf16") -> int:
         """KV bytes for one sequence of ``context`` tokens."""
-        return _check_int(context, "context", 0) * self.bytes_per_token(dtype)
+        return check_int(context, "context", 0) * self.bytes_per_token(dtype)
 
     def bytes_for(self, sequences: int, context: int, dtype: str = "bf16") -> int:
         """KV bytes for ``sequences`` sequences of ``context`` tokens each."""
-        return _check_int(sequences, "sequences", 0) * self.bytes_per_sequence(context, dtype)
+        return check_int(sequences, "sequences", 0) * self.bytes_per_sequence(context, dtype)
 
     def windowed_bytes_per_sequence(self, context: int, dtype: str = "bf16") -> int:
         """KV bytes of one sequence of ``context`` tokens in a cache that keeps, in each sliding
         layer, only the last ``sliding_window`` tokens (``bytes_per_sequence`` without a window)."""
         per_layer = self.bytes_per_token(dtype) // self.layers
-        kept = min(_check_int(context, "context", 0), self.sliding_window or context)
+        kept = min(check_int(context, "context", 0), self.sliding_window or context)
         return per_layer * ((self.layers - self.sliding_layers) * context + self.sliding_layers * kept)
 
 
@@ -247,7 +236,7 @@ def _required(config, what: str, *names) -> int:
     value = _field(config, *names)
     if value is None:
         raise ValueError(f"config has no {what} (looked for {', '.join(names)})")
-    return _check_int(value, names[0], 1)
+    return check_int(value, names[0], 1)
 
 
 def _sliding(config, layers: int) -> tuple[int | None, int]:
@@ -258,18 +247,18 @@ def _sliding(config, layers: int) -> tuple[int | None, int]:
     window = _field(config, "sliding_window")
     if not window or _field(config, "use_sliding_window") is False:
         return None, 0
-    window = _check_int(window, "sliding_window", 1)
+    window = check_int(window, "sliding_window", 1)
     layer_types = _field(config, "layer_types")
     pattern = _field(config, "sliding_window_pattern")
     start = _field(config, "max_window_layers")
     if layer_types:
         sliding = sum(kind == "sliding_attention" for kind in layer_types)
     elif pattern:
-        sliding = layers - layers // _check_int(pattern, "sliding_window_pattern", 1)
+        sliding = layers - layers // check_int(pattern, "sliding_window_pattern", 1)
     elif _field(config, "model_type") == "gemma2":
         sliding = (layers + 1) // 2
     elif start is not None and _field(config, "use_sliding_window"):
-        sliding = max(0, layers - _check_int(start, "max_window_layers", 0))
+        sliding = max(0, layers - check_int(start, "max_window_layers", 0))
     else:
         sliding = layers
     return (window, sliding) if sliding else (None, 0)
@@ -315,7 +304,7 @@ def from_config(config, name: str | None = None) -> KVShape:
     kv_heads = _field(config, "num_key_value_heads")
     if kv_heads is None and _field(config, "multi_query") and not _field(config, "new_decoder_architecture"):
         kv_heads = 1  # Falcon's original multi-query layout (its new one caches every query head)
-    kv_heads = query_heads if kv_heads is None else _check_int(kv_heads, "num_key_value_heads", 1)
+    kv_heads = query_heads if kv_heads is None else check_int(kv_heads, "num_key_value_heads", 1)
     head_dim = _field(config, "head_dim")
     if head_dim is None:
         hidden = _required(config, "hidden size", "hidden_size", "n_embd")
@@ -323,7 +312,7 @@ def from_config(config, name: str | None = None) -> KVShape:
             raise ValueError(f"hidden size {hidden} is not divisible by {query_heads} attention heads")
         head_dim = hidden // query_heads
     attention = classify_attention(query_heads, kv_heads)
-    return KVShape(str(name), layers, kv_heads, _check_int(head_dim, "head_dim", 1), attention,
+    return KVShape(str(name), layers, kv_heads, check_int(head_dim, "head_dim", 1), attention,
                    query_heads=query_heads, **_window_fields(config, layers))
 
 
@@ -341,104 +330,3 @@ def from_model_dir(path: str | os.PathLike) -> KVShape:
     if not isinstance(config, dict):
         raise ValueError(f"{config_file} does not hold a JSON object")
     return from_config(config, name=config_file.resolve().parent.name)
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in binary units: "512 B", "128 KiB", "1.5 GiB" (at most two decimals)."""
-    _check_int(n, "byte count", 0)
-    value, unit = float(n), _UNITS[0]
-    for unit in _UNITS:
-        if value < _KIB or unit == _UNITS[-1]:
-            break
-        value /= _KIB
-    if unit == "B":
-        return f"{n} B"
-    return f"{value:.2f}".rstrip("0").rstrip(".") + f" {unit}"
-
-
-def sequences_that_fit(shape: KVShape, memory: int, context: int, dtype: str = "bf16") -> int:
-    """How many whole sequences of ``context`` tokens fit in ``memory`` bytes of KV cache."""
-    _check_int(memory, "memory", 0)
-    per_sequence = shape.bytes_per_sequence(_check_int(context, "context", 1), dtype)
-    return memory // per_sequence
-
-
-def kv_size_table(shapes: Iterable[KVShape] | KVShape, context: int, sequences: int = 1,
-                  dtypes: Iterable[str] | str = ("bf16", "fp16", "fp8"),
-                  memory: int | None = None) -> list[dict]:
-    """One row per (shape, dtype): name, attention, layers, kv_heads, head_dim, head_dim_v, dtype, context,
-    sequences, bytes_per_token, bytes_per_sequence and bytes_total (all ints); with ``memory`` (bytes)
-    also ``memory`` and ``fits``: how many sequences of ``context`` tokens fit in it."""
-    shapes = [shapes] if isinstance(shapes, KVShape) else list(shapes)
-    dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
-    _check_int(context, "context", 0)
-    _check_int(sequences, "sequences", 0)
-    if memory is not None:
-        _check_int(memory, "memory", 0)
-        _check_int(context, "context", 1)
-    rows = []
-    for shape in shapes:
-        if not isinstance(shape, KVShape):
-            raise TypeError(f"shapes must be KVShape objects, got {type(shape).__name__}")
-        for dtype in dtypes:
-            rows.append({
-                "name": shape.name,
-                "attention": shape.attention,
-                "layers": shape.layers,
-                "kv_heads": shape.kv_heads,
-                "head_dim": shape.head_dim,
-                "head_dim_v": shape.head_dim_v,
-                "dtype": dtype.lower() if isinstance(dtype, str) else dtype,
-                "context": context,
-                "sequences": sequences,
-                "bytes_per_token": shape.bytes_per_token(dtype),
-                "bytes_per_sequence": shape.bytes_per_sequence(context, dtype),
-                "bytes_total": shape.bytes_for(sequences, context, dtype),
-            })
-            if memory is not None:
-                rows[-1]["memory"] = memory
-                rows[-1]["fits"] = sequences_that_fit(shape, memory, context, dtype)
-    return rows
-
-
-def window_note(shape: KVShape, context: int, dtypes: Iterable[str]) -> str | None:
-    """One line on ``shape``'s sliding window (None without one): the table counts every token's
-    K/V, as radixcache's pool holds them; what a cache that drops K/V outside the window would
-    hold per sequence of ``context`` tokens at each of ``dtypes``."""
-    if shape.sliding_window is None:
-        return None
-    where = (f"{shape.name}: a sliding window of {shape.sliding_window:,} tokens on "
-             f"{shape.sliding_layers} of {shape.layers} layers")
-    if context <= shape.sliding_window:
-        return f"{where} does not cap sequences of {context:,} tokens."
-    caps = ", ".join(f"{format_bytes(shape.windowed_bytes_per_sequence(context, d))} {d.lower()}"
-                     for d in dtypes)
-    return (f"{where}: the table counts every token's K/V, as radixcache's pool keeps them; a "
-            f"cache that dropped K/V outside the window would hold at most {caps} per sequence.")
-
-
-_COLUMNS = (
-    ("model", lambda r: r["name"], "<"),
-    ("attn", lambda r: r["attention"], "<"),
-    ("layers", lambda r: str(r["layers"]), ">"),
-    ("kv heads", lambda r: str(r["kv_heads"]), ">"),
-    ("head dim", lambda r: str(r["head_dim"]) if r["head_dim"] == r["head_dim_v"]
-     else f"{r['head_dim']}/{r['head_dim_v']}", ">"),
-    ("dtype", lambda r: r["dtype"], "<"),
-    ("B/token", lambda r: f"{r['bytes_per_token']:,}", ">"),
-    ("per token", lambda r: format_bytes(r["bytes_per_token"]), ">"),
-    ("per sequence", lambda r: format_bytes(r["bytes_per_sequence"]), ">"),
-    ("all sequences", lambda r: format_bytes(r["bytes_total"]), ">"),
-)
-
-
-def render_kv_table(rows: list[dict]) -> str:
-    """Rows from ``kv_size_table`` as an aligned plain-text table (header, rule, one line per row);
-    rows that carry ``fits`` get a last column "fit in <memory>"."""
-    columns = list(_COLUMNS)
-    if rows and "fits" in rows[0]:
-        columns.append((f"fit in {format_bytes(rows[0]['memory'])}", lambda r: f"{r['fits']:,}", ">"))
-    header = [name for name, _, _ in columns]
-    cells = [[cell(row) for _, cell, _ in columns] for row in rows]
-    left = [i for i, (_, _, align) in enumerate(columns) if align == "<"]
-    return render_table(header, cells, left)

@@ -89,7 +89,7 @@ class OfferQueue:
 
     def __init__(self, lock: ReleasingLock | None = None):
         self.queued: list[Offer] = []
-        self.lock = lock  # armed while offers are queued
+        self.mutex = lock  # armed while offers are queued
         self._sending = 0
         self._sent: list[Offer] = []
         self._cond = threading.Condition()
@@ -105,12 +105,12 @@ class OfferQueue:
     def add(self, offer: Offer) -> None:
         """Queue ``offer`` (manager's lock held; its node is locked already)."""
         self.queued.append(offer)
-        self.lock.armed = True
+        self.mutex.armed = True
 
     def take(self) -> list[Offer]:
         """The queued offers, now counted as being sent (manager's lock held)."""
         batch, self.queued = self.queued, []
-        self.lock.armed = False
+        self.mutex.armed = False
         with self._cond:
             self._sending += len(batch)
         return batch
@@ -146,7 +146,7 @@ class OfferQueue:
 
     def after_release(self, manager) -> None:
         """What the manager's lock runs once free: send what is queued, outside the lock, until
-        nothing is; then settle. A thread already sending (its own ``with manager.lock`` inside
+        nothing is; then settle. A thread already sending (its own ``with manager.mutex`` inside
         this) does not start again."""
         local = self._local
         if getattr(local, "active", False):
@@ -154,7 +154,7 @@ class OfferQueue:
         local.active = True
         try:
             while True:
-                with manager.lock:
+                with manager.mutex:
                     self.settle(manager.tree)
                     batch = self.take()
                 if not batch:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from radixcache.demo_agent import (DEFAULT_SYSTEM_TOKENS, Conversation, build_system_prompt,
+from radixcache.app.demo_agent import (DEFAULT_SYSTEM_TOKENS, Conversation, build_system_prompt,
                                    count_tokens, script_step)
 from radixcache.table import render_table
 

@@ -19,7 +19,7 @@ is ``copy_block(src, dst)`` (plus ``export_blocks``/``import_block`` with a stor
 
 With a shared store (a ``radixcache.store.BlockStore``, e.g. Redis), every whole block the tree
 adopts from a lease is offered to it (copied and queued once the manager's lock is free, see
-``radixcache.offers``; the network is never waited on), and ``prefetch(tokens)``, called before
+``radixcache.lifecycle.offers``; the network is never waited on), and ``prefetch(tokens)``, called before
 ``admit`` by whoever may wait on the network, loads the blocks of a prompt that follow the local
 match from the store into the tree.
 With a KV event publisher (``use_events``), every whole block that enters or leaves the tree
@@ -45,20 +45,20 @@ from collections.abc import Sequence
 
 from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError, OutOfBlocks
-from radixcache.lease import Lease, Ledger
-from radixcache.manager_check import check_manager
-from radixcache.offers import Offer, OfferQueue, ReleasingLock
-from radixcache.prefetch import prefetch_from_store
+from radixcache.lifecycle.lease import Lease, Ledger
+from radixcache.lifecycle.check import check_manager
+from radixcache.lifecycle.offers import Offer, OfferQueue, ReleasingLock
+from radixcache.lifecycle.prefetch import prefetch_from_store
 from radixcache.tokens import token_array
 from radixcache.tree import Match, Namespace, RadixCache
 
-__all__ = ["CacheManager", "Lease", "Ledger"]
+__all__ = ["CacheManager"]
 
 
 class CacheManager:
     """The single owner of an allocator, a radix tree, their lock and the statistics ledger.
 
-    Thread-safe: every method takes ``lock`` (a reentrant lock, see ``radixcache.offers``), which
+    Thread-safe: every method takes ``mutex`` (a reentrant lock, see ``radixcache.lifecycle.offers``), which
     callers may also hold across several calls. Failed calls change nothing and leave no lock or
     reference behind.
     """
@@ -70,8 +70,8 @@ class CacheManager:
         self.block_size = block_size
         self.pool = pool
         self.clock = clock
-        self.lock = ReleasingLock(lambda: self._offers.after_release(self))
-        self._offers = OfferQueue(self.lock)
+        self.mutex = ReleasingLock(lambda: self._offers.after_release(self))
+        self._offers = OfferQueue(self.mutex)
         self.ledger = Ledger()
         self._live: dict[int, Lease] = {}
         self._store_stats: dict = {}  # the store's counters, kept readable after close()
@@ -90,7 +90,7 @@ class CacheManager:
         tokens = token_array(tokens)
         if not tokens:
             raise ValueError("empty prompt: a request needs at least one token")
-        with self.lock:
+        with self.mutex:
             m = self.tree.match(tokens[:-1], namespace)
             self.tree.lock(m.node)
             self.allocator.retain(m.blocks)
@@ -109,7 +109,7 @@ class CacheManager:
         ``prompt_tokens`` queried, ``lease.cached_tokens`` of them hit. A scheduler that admits
         tentatively (and backs out when the first chunk's blocks cannot be had) counts only the
         admission it keeps, so a prompt is never counted twice."""
-        with self.lock:
+        with self.mutex:
             self._check_live(lease, "record_admission")
             self.ledger.count_request(prompt_tokens, lease.cached_tokens)
 
@@ -117,7 +117,7 @@ class CacheManager:
         """Give ``lease`` blocks for ``length`` tokens, allocating only what is missing and evicting
         LRU leaves when short. Raises OutOfBlocks, with nothing changed, when even eviction cannot
         supply them; the message says what is needed, free, freeable and held by running requests."""
-        with self.lock:
+        with self.mutex:
             self._check_live(lease, "grow")
             need = -(-length // self.block_size) - len(lease.blocks)
             if need > 0:
@@ -125,7 +125,7 @@ class CacheManager:
 
     def can_grow(self, lease: Lease, length: int) -> bool:
         """Whether ``grow(lease, length)`` would succeed now (for schedulers deciding to preempt)."""
-        with self.lock:
+        with self.mutex:
             need = -(-length // self.block_size) - len(lease.blocks)
             return need <= self.allocator.num_free or need <= self.freeable_blocks()
 
@@ -138,7 +138,7 @@ class CacheManager:
         ones, the first and the last block are compared with ``lease.tokens`` (``CacheError`` when
         they differ: another sequence was passed), so a commit costs O(block). The blocks the tree
         adopted are offered to the store unless ``offer`` is False (they came from it)."""
-        with self.lock:
+        with self.mutex:
             self._check_live(lease, "commit")
             bs = self.block_size
             if not lease.computed <= computed <= min(len(tokens), len(lease.blocks) * bs):
@@ -182,7 +182,7 @@ class CacheManager:
         ``lease``'s whole blocks, then shares them (retained, path locked) and gives the new lease
         a copy of the partial last block. OutOfBlocks, with nothing changed, when no block is free
         or freeable for that copy."""
-        with self.lock:
+        with self.mutex:
             self._check_live(lease, "fork")
             full, partial = divmod(lease.computed, self.block_size)
             pool = self._pool("fork") if partial else None
@@ -205,7 +205,7 @@ class CacheManager:
         ``lease.computed`` of them) what was computed is committed first, its partial last block
         kept in the tree as a tail. Then the lock and every reference the lease holds are dropped.
         A second release is a no-op."""
-        with self.lock:
+        with self.mutex:
             if lease.released:
                 return
             try:
@@ -230,7 +230,7 @@ class CacheManager:
         committed path that long (see ``retain``), then ``release`` it with ``tokens`` (the partial
         last block kept as a tail). A bad ``retain_s`` raises before anything changes; whatever
         fails after that, the lease is released."""
-        with self.lock:
+        with self.mutex:
             self._check_live(lease, "finish")
             if retain_s is not None:
                 _check_seconds(retain_s)
@@ -243,15 +243,15 @@ class CacheManager:
 
     def prefetch(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
         """Load the store's blocks that follow the local match of ``tokens[:-1]`` into the tree;
-        returns the tokens loaded (see ``radixcache.prefetch``). Call it before ``admit``, without
-        holding ``lock``: it waits on the network. Without a store it returns 0 at once."""
+        returns the tokens loaded (see ``radixcache.lifecycle.prefetch``). Call it before ``admit``, without
+        holding ``mutex``: it waits on the network. Without a store it returns 0 at once."""
         return prefetch_from_store(self, tokens, namespace)
 
     def use_store(self, store) -> None:
         """Attach a shared store (or None); it needs the manager's pool and its block size."""
         if store is not None and (self.pool is None or store.block_size != self.block_size):
             raise ValueError("a store needs the manager's pool and the same block size")
-        with self.lock:
+        with self.mutex:
             self.store = store
 
     def use_events(self, publisher) -> None:
@@ -261,21 +261,21 @@ class CacheManager:
         if publisher is not None and not hasattr(publisher, "log"):
             raise TypeError(f"use_events takes a KVEventPublisher or None, got "
                             f"{type(publisher).__name__}")
-        with self.lock:
+        with self.mutex:
             self.tree.set_event_log(None if publisher is None else publisher.log)
             self.events = publisher
 
     def resync_events(self) -> None:
         """Republish the whole state (``AllBlocksCleared``, then ``BlockStored`` for every whole
         block), e.g. for a subscriber that joined late. Nothing without a publisher."""
-        with self.lock:
+        with self.mutex:
             self.tree.resync_events()
 
     def close(self, timeout: float = 10.0) -> dict:
         """Flush and close the store (waiting up to ``timeout`` s for queued writes) and the KV
         event publisher (sending what is queued, unbinding); returns their final counters (empty
         without either). The cache itself stays usable, without them."""
-        with self.lock:
+        with self.mutex:
             self._offers.finish(self.tree, self.pool)
             store, self.store = self.store, None
             events = self.events
@@ -292,7 +292,7 @@ class CacheManager:
         then, evicted only after every prefix without a live hint, and still before anything is
         refused. Soft: it never pins, needs no release, and once expired changes nothing; it never
         changes a computed token. Call it after the last ``commit``, before ``release``."""
-        with self.lock:
+        with self.mutex:
             self._check_live(lease, "retain")
             _check_seconds(seconds)
             self.tree.retain(lease.node, self.clock() + seconds)
@@ -300,23 +300,23 @@ class CacheManager:
     # ------------------------------------------------------------------ ledger and sizes
     def record_generated(self, n: int) -> None:
         """Count ``n`` generated tokens."""
-        with self.lock:
+        with self.mutex:
             self.ledger.generated_tokens += n
 
     def record_preemption(self) -> None:
         """Count one preempted sequence."""
-        with self.lock:
+        with self.mutex:
             self.ledger.preemptions += 1
 
     def record_fallback(self, reason: str) -> None:
         """Count one request served without the cache, and why."""
-        with self.lock:
+        with self.mutex:
             self.ledger.count_fallback(reason)
 
     def freeable_blocks(self) -> int:
         """Blocks an allocation can get now: the free ones plus those eviction would free (offers
         to the store are finished first, so none of their blocks is missing)."""
-        with self.lock:
+        with self.mutex:
             self._offers.finish(self.tree, self.pool)
             return self.allocator.num_free + self.tree.evictable_blocks
 
@@ -325,7 +325,7 @@ class CacheManager:
         (held by the tree), ``pinned_tokens``, ``evictable_tokens``, ``free_tokens``,
         ``capacity_tokens``, ``evicted_tokens``, and ``running`` (live leases); with a store or a
         KV event publisher, their counters too (``store_*``, ``kv_events_*``)."""
-        with self.lock:
+        with self.mutex:
             self._offers.finish(self.tree, self.pool)
             tree, bs = self.tree, self.block_size
             out = self.ledger.as_dict()
@@ -344,24 +344,24 @@ class CacheManager:
 
     def reset_stats(self) -> None:
         """Zero the ledger (the cache's contents stay)."""
-        with self.lock:
+        with self.mutex:
             self.ledger = Ledger()
 
     def clear(self) -> None:
         """Drop every cached prefix that no live lease holds."""
-        with self.lock:
+        with self.mutex:
             self.tree.reset()
 
     def check(self) -> None:
         """Verify the tree's invariants and the manager's (module docstring); AssertionError says
         what is wrong."""
-        with self.lock:
+        with self.mutex:
             self._offers.finish(self.tree, self.pool)
             check_manager(self.tree, self.allocator, self.leases(), self.block_size)
 
     def leases(self) -> tuple:
         """The live leases (admitted or forked, not yet released)."""
-        with self.lock:
+        with self.mutex:
             return tuple(self._live.values())
 
     # ------------------------------------------------------------------ helpers

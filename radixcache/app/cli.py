@@ -6,7 +6,8 @@ import argparse
 import re
 import sys
 
-from radixcache import sizing
+from radixcache.app import kv_size, kv_size_table
+from radixcache.args import positive_int
 
 DEFAULT_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # fp32: what the embedded model runs in on CPU
 
@@ -59,19 +60,8 @@ def memory_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a memory size > 0, got {text!r}")
     if value > MAX_BYTES:
-        raise argparse.ArgumentTypeError(f"{text!r} is more than {sizing.format_bytes(MAX_BYTES)}, "
+        raise argparse.ArgumentTypeError(f"{text!r} is more than {kv_size_table.format_bytes(MAX_BYTES)}, "
                                          "more memory than any machine has")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a clear usage error otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
     return value
 
 
@@ -94,12 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--model", action="append", metavar="PATH",
                     help="local Hugging Face model directory (reads its config.json); repeatable")
     kv.add_argument("--preset", action="append", metavar="NAME",
-                    help=f"preset shape, repeatable; one of: {', '.join(sizing.PRESETS)}")
+                    help=f"preset shape, repeatable; one of: {', '.join(kv_size.PRESETS)}")
     kv.add_argument("--context", type=token_count, default=8192, metavar="N",
                     help="tokens per sequence; k and M are binary (128k = 131,072; default 8192)")
     kv.add_argument("--sequences", type=sequence_count, default=1, metavar="N",
                     help="sequences held at once (default 1)")
-    kv.add_argument("--dtype", action="append", choices=sorted(sizing.DTYPE_BYTES),
+    kv.add_argument("--dtype", action="append", choices=sorted(kv_size.DTYPE_BYTES),
                     help=f"cache dtype, repeatable (default: {' '.join(DEFAULT_DTYPES)})")
     kv.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
                     help="KV memory to fill, in GiB (65, 65G or 65GiB): adds how many sequences fit")
@@ -134,32 +124,32 @@ def _serve(args) -> int:
 def _kv_size(args, parser) -> int:
     shapes = []
     try:
-        shapes += [sizing.from_model_dir(path) for path in args.model or ()]
-        shapes += [sizing.preset(name) for name in args.preset or ()]
+        shapes += [kv_size.from_model_dir(path) for path in args.model or ()]
+        shapes += [kv_size.preset(name) for name in args.preset or ()]
     except ValueError as exc:
         parser.error(str(exc))
     if not shapes:
-        shapes = list(sizing.PRESETS.values())
+        shapes = list(kv_size.PRESETS.values())
     dtypes = args.dtype or DEFAULT_DTYPES
-    rows = sizing.kv_size_table(shapes, args.context, args.sequences, dtypes, memory=args.memory)
+    rows = kv_size_table.kv_size_table(shapes, args.context, args.sequences, dtypes, memory=args.memory)
     largest = max(rows, key=lambda row: row["bytes_total"])
     if largest["bytes_total"] > MAX_BYTES:
         parser.error(f"{args.sequences:,} sequence(s) of {args.context:,} tokens of {largest['name']} "
-                     f"({largest['dtype']}) need more than {sizing.format_bytes(MAX_BYTES)} of KV "
+                     f"({largest['dtype']}) need more than {kv_size_table.format_bytes(MAX_BYTES)} of KV "
                      "cache, more memory than any machine has; lower --context or --sequences")
-    fits = f"; sequences that fit in {sizing.format_bytes(args.memory)}" if args.memory else ""
+    fits = f"; sequences that fit in {kv_size_table.format_bytes(args.memory)}" if args.memory else ""
     print(f"KV cache at {args.context:,} tokens per sequence, {args.sequences:,} sequence(s){fits}; "
           f"binary units")
-    print(sizing.render_kv_table(rows))
+    print(kv_size_table.render_kv_table(rows))
     dtype = (args.dtype or DEFAULT_DTYPES)[0]
-    notes = [note for note in (sizing.window_note(shape, args.context, dtypes) for shape in shapes) if note]
+    notes = [note for note in (kv_size_table.window_note(shape, args.context, dtypes) for shape in shapes) if note]
     for shape in shapes:
         if shape.attention == "MLA":
             latent = shape.latent_bytes_per_token(dtype)
             notes.append(f"{shape.name} (MLA): head dim is K/V per head as transformers expands them "
                          f"and radixcache's pool holds them; an MLA-native server caches the "
                          f"{shape.latent_dim}+{shape.rope_dim} latent instead: "
-                         f"{sizing.format_bytes(latent)} per token in {dtype} "
+                         f"{kv_size_table.format_bytes(latent)} per token in {dtype} "
                          f"({shape.bytes_per_token(dtype) / latent:.1f}x less)")
     if notes:
         print()
@@ -170,9 +160,9 @@ def _kv_size(args, parser) -> int:
 
 def _demo(args) -> int:
     try:
-        from radixcache.demo import main as demo_main
+        from radixcache.app.demo import main as demo_main
     except ModuleNotFoundError as exc:
-        if exc.name != "radixcache.demo":
+        if exc.name != "radixcache.app.demo":
             raise
         print("radixcache: the demo is not available in this version", file=sys.stderr)
         return 1
