@@ -50,7 +50,7 @@ from radixcache.lifecycle.check import check_manager
 from radixcache.lifecycle.offers import Offer, OfferQueue, ReleasingLock
 from radixcache.lifecycle.prefetch import prefetch_from_store
 from radixcache.tokens import token_array
-from radixcache.tree import Match, Namespace, RadixCache
+from radixcache.tree import CacheStats, Match, Namespace, RadixCache
 
 __all__ = ["CacheManager"]
 
@@ -343,9 +343,11 @@ class CacheManager:
             return out
 
     def reset_stats(self) -> None:
-        """Zero the ledger (the cache's contents stay)."""
+        """Zero every counter ``stats`` reports: the ledger and the tree's token counters (evicted
+        tokens included); the cache's contents and sizes stay."""
         with self.mutex:
             self.ledger = Ledger()
+            self.tree.stats = CacheStats()
 
     def clear(self) -> None:
         """Drop every cached prefix that no live lease holds."""
