@@ -11,7 +11,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup redis test bench demo serve clean
+.PHONY: setup redis netns agents test bench demo serve clean
 
 setup: $(STAMP)
 
@@ -35,7 +35,58 @@ redis:
 	    echo "make test: the store tests need a real redis-server, which is not installed; run (as root): $(REDIS_INSTALL)" >&2; exit 1; \
 	  fi
 
-test: $(STAMP) redis
+# The real agent clients the agent tests run (Claude Code, Codex), pinned by version and hash, taken
+# from the registries once and kept in the ignored .venv/agents/ (about 670 MB): Claude Code is the
+# binary bundled in the claude-agent-sdk wheel, Codex the static binary of @openai/codex's linux-x64
+# package. Both builds are x86_64 Linux only.
+CLAUDE_SDK_VERSION := 0.2.184
+CLAUDE_WHEEL_SHA256 := 40509cadce72d62ded6c3ed831bbcffbff1a7fed8a19cfe1670b3a55418ed089
+CODEX_VERSION := 0.169.0
+CODEX_TGZ_SHA256 := 89801b4b97faba562eb80fe0a833159ac79399be674022f4b1a0ccab1d153faa
+CODEX_NPM := @openai/codex@$(CODEX_VERSION)-linux-x64
+CODEX_TGZ := openai-codex-$(CODEX_VERSION)-linux-x64.tgz
+AGENTS := $(VENV)/agents
+AGENTS_STAMP := $(AGENTS)/.installed-claude-agent-sdk-$(CLAUDE_SDK_VERSION)-codex-$(CODEX_VERSION)
+
+# The agent tests run the clients in a network namespace with only loopback up (unshare, nsenter
+# from util-linux; ip from iproute2): root with apt-get installs what is missing, anyone else is told.
+NETNS_INSTALL := apt-get update && apt-get install -y util-linux iproute2
+netns:
+	@missing=""; for tool in unshare nsenter ip; do \
+	  PATH="$$PATH:/usr/sbin:/sbin" command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "make: installing$$missing for the agent tests"; $(NETNS_INSTALL); \
+	else \
+	  echo "make: the agent tests need$$missing, not installed; run (as root): $(NETNS_INSTALL)" >&2; exit 1; \
+	fi
+
+agents: $(AGENTS_STAMP) netns
+
+# npm is the registry's own client for the Codex package; root with apt-get installs it if missing.
+$(AGENTS_STAMP): | $(STAMP)
+	@if [ "$$(uname -m)" != x86_64 ]; then echo "make agents: the pinned builds are x86_64 Linux only" >&2; exit 1; fi
+	@command -v npm >/dev/null 2>&1 || \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "make: installing npm to fetch $(CODEX_NPM)"; apt-get update && apt-get install -y npm; \
+	  else \
+	    echo "make agents: npm is needed to fetch $(CODEX_NPM); run (as root): apt-get install -y npm" >&2; exit 1; \
+	  fi
+	rm -rf $(AGENTS) && mkdir -p $(AGENTS)/download
+	echo "claude-agent-sdk==$(CLAUDE_SDK_VERSION) --hash=sha256:$(CLAUDE_WHEEL_SHA256)" > $(AGENTS)/download/pin.txt
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --require-hashes -r $(AGENTS)/download/pin.txt \
+	  -d $(AGENTS)/download
+	$(PY) -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract('claude_agent_sdk/_bundled/claude', sys.argv[2])" \
+	  $(AGENTS)/download/claude_agent_sdk-$(CLAUDE_SDK_VERSION)-*.whl $(AGENTS)/download
+	mv $(AGENTS)/download/claude_agent_sdk/_bundled/claude $(AGENTS)/claude
+	cd $(AGENTS)/download && npm pack --silent $(CODEX_NPM) >/dev/null && \
+	  echo "$(CODEX_TGZ_SHA256)  $(CODEX_TGZ)" | sha256sum -c --quiet && \
+	  tar -xzf $(CODEX_TGZ) -O package/vendor/x86_64-unknown-linux-musl/bin/codex > ../codex
+	chmod +x $(AGENTS)/claude $(AGENTS)/codex
+	rm -rf $(AGENTS)/download
+	touch $(AGENTS_STAMP)
+
+test: $(STAMP) redis agents
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

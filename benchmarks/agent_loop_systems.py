@@ -46,11 +46,10 @@ class System:
 
         self.torch = torch
         from radixcache.integrations.hf import kv_geometry
-        from radixcache.sizing import kv_bytes_per_token
+        from radixcache.kv.geometry import kv_bytes_per_token
 
-        layers, kv_heads, head_dim = kv_geometry(model.config)
         element = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
-        self.bytes_per_token = kv_bytes_per_token(layers, kv_heads, head_dim, element)
+        self.bytes_per_token = kv_bytes_per_token(*kv_geometry(model.config), element)
 
     def begin(self, plan: dict) -> None:
         pass

@@ -23,6 +23,16 @@ on the same prompts and capacity C (tokens: S + N*n*(U+G+16)):
 * plain: ``model.generate`` one request at a time on the first ``plain_*`` requests, throughput
   extrapolated to the batch.
 
+Decode floor (issue 18): a pure decode step through the engine against a batched ``DynamicCache``
+decode step of the same shape, at S sequences x L distinct tokens (full: 32 x 2,048 and 64 x
+4,096), on a tiny random fp32 Llama (2 layers, 4 query heads, 2 KV heads of 16: attention over the
+cache dominates the step). The engine prefills the prompts, then every sequence decodes in
+lockstep; the floor holds the very K/V the engine computed (read back from the pool) and is fed
+the engine's first tokens, so both sides decode the same continuation. The floor concatenates the
+whole cache every step; the engine gathers it from its blocks: the same copy. Target: the median
+engine step <= 1.10x the mean of the floor's medians measured before and after it, the median of
+3 such rounds (``batch_systems.run_decode_floor``).
+
 Ideal peak KV blocks: the system prompt's whole blocks once, each prompt's own blocks once, and
 per sample its tail (see ``ideal_blocks``); target: peak within 10% of that. Scheduler check: K
 system prompts x R requests, shuffled, a pool of 2.5 system prompts; hit rate of each policy (a
@@ -52,14 +62,17 @@ HEADER = "radixcache batch benchmark"
 BLOCK_SIZE = systems.BLOCK_SIZE
 PEAK_SLACK = 1.10
 FLOOR_TARGET = 1.05
+DECODE_FLOOR_TARGET = 1.10
 FULL = dict(requests=32, system_tokens=1000, unique_tokens=100, new_tokens=32, samples=4,
             temperature=0.8, repeats=3, cb_repeats=1, cb_greedy=32, cb_sampled=8,
             plain_greedy=8, plain_sampled=2, floor_requests=16, floor_new_tokens=16,
             sched_systems=4, sched_per_system=8, sched_system_tokens=1000, sched_unique_tokens=100,
-            sched_new_tokens=8, sched_cache_prompts=2.5)
+            sched_new_tokens=8, sched_cache_prompts=2.5,
+            decode_floor=((32, 2048), (64, 4096)), decode_floor_steps=8, decode_floor_rounds=3)
 QUICK = dict(FULL, requests=8, system_tokens=200, unique_tokens=40, new_tokens=8, repeats=1,
              cb_greedy=8, plain_greedy=8, floor_requests=4, floor_new_tokens=4, sched_per_system=4,
-             sched_system_tokens=200, sched_unique_tokens=40, sched_new_tokens=4)
+             sched_system_tokens=200, sched_unique_tokens=40, sched_new_tokens=4,
+             decode_floor=((8, 512),), decode_floor_steps=4, decode_floor_rounds=1)
 COLUMNS = ("workload", "system", "tok/s", "wall s", "TTFT p50 s", "TTFT p95 s", "peak KV blocks",
            "ideal blocks", "hit rate", "met?")
 
@@ -177,9 +190,15 @@ def run(cfg: dict, load=None, seed: int = 0, log=lambda msg: None) -> dict:
         modes.append(mode)
     floor = run_floor_comparison(lm, cfg, seed, log)
     sched = systems.run_schedulers(lm, cfg, seed, log)
+    decode = []
+    for sequences, context in cfg["decode_floor"]:
+        log(f"decode floor, {sequences} x {context} ...")
+        row = systems.run_decode_floor(systems.tiny_llama(seed), sequences, context,
+                                       cfg["decode_floor_steps"], seed, cfg["decode_floor_rounds"])
+        decode.append(dict(row, target=DECODE_FLOOR_TARGET))
     return dict(model=model_label(model), device=str(model.device), modes=modes, floor=floor,
-                schedulers=sched, capacity_tokens=cap, threads=torch.get_num_threads(), config=cfg,
-                seed=seed)
+                schedulers=sched, decode_floor=decode, capacity_tokens=cap,
+                threads=torch.get_num_threads(), config=cfg, seed=seed)
 
 
 def render(report: dict) -> str:
@@ -231,6 +250,19 @@ def render(report: dict) -> str:
                   [(r["schedule"], str(r["requests"]), fmt(r["hit_rate"], ".3f"), str(r["computed_tokens"]),
                     str(r["preemptions"]), str(r["steps"]), fmt(r["wall_s"], ".1f"))
                    for r in report["schedulers"]])]
+    decode = report["decode_floor"]
+    out += ["", f"decode floor: a pure decode step, engine vs a batched DynamicCache step of the same "
+                f"shape; tiny random Llama (fp32, 2 layers, 2 KV heads of 16), greedy, medians of "
+                f"{cfg['decode_floor_steps']} steps; floor = mean of its medians before and after; "
+                f"the median of {cfg['decode_floor_rounds']} round(s)",
+            table(("sequences x tokens", "engine step ms", "floor step ms", "floor before / after ms",
+                   "ratio", "target", "met?", "every round", "same tokens"),
+                  [(f"{r['sequences']} x {r['context']:,}", fmt(r["engine_step_ms"], ".1f"),
+                    fmt(r["floor_step_ms"], ".1f"),
+                    f"{r['floor_before_ms']:.1f} / {r['floor_after_ms']:.1f}", fmt(r["ratio"], ".3f"),
+                    f"<= {r['target']:.2f}", met(r["ratio"], r["target"]),
+                    " ".join(f"{x:.2f}" for x in r["round_ratios"]),
+                    "yes" if r["same_tokens"] else "NO") for r in decode], left=(0,))]
     return "\n".join(out)
 
 

@@ -7,7 +7,7 @@ from) is started as a subprocess on a free loopback port, on the same local mode
 concurrent agent sessions (1, 8, then 16). Every server but llama-server (whose GGUF is Q4_1)
 runs at one ``--dtype`` (default auto: ``radixcache.models.default_dtype``, bfloat16 on CPUs with
 native bf16 matrix units), and so does the in-process reference; the dtype is printed. A session is the demo's agent: a system message with the
-tool preamble (``radixcache.demo.build_system_prompt``, about 1,500 tokens on SmolLM2), then per
+tool preamble (``radixcache.app.demo.build_system_prompt``, about 1,500 tokens on SmolLM2), then per
 turn a user request, the streamed greedy reply (``max_tokens`` 24), a tool result as a ``tool``
 message; every request sends the whole conversation as messages, as agent frameworks do.
 

@@ -56,14 +56,14 @@ class Workload:
     """The demo's agent: prompts rendered client-side only to count tokens and the ideal hit."""
 
     def __init__(self, tokenizer, system_tokens: int, template: str | None = None):
-        from radixcache.demo import build_system_prompt
+        from radixcache.app.demo import build_system_prompt
         from radixcache.integrations.serve.chat_template import ChatRenderer
 
         self.system, self.tools = build_system_prompt(tokenizer, system_tokens)
         self.renderer = ChatRenderer(tokenizer, template)
 
     def request(self, session: int, turn: int) -> tuple[str, str]:
-        from radixcache.demo import script_step
+        from radixcache.app.demo import script_step
 
         request, result = script_step(turn + session)
         return f"[session {session + 1}] {request}", result

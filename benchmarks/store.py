@@ -17,7 +17,7 @@ blocks of the embedded SmolLM2-135M's fp32 KV (30 layers x 2 x 16 tokens x 3 KV 
 
 Target: ``store.fetch`` at least 50% of ``redis-benchmark``. A second table turns the measured
 ``store.fetch`` rate into load time per model, from each model's KV bytes per token
-(``radixcache.sizing``): what a warm store saves depends on that against the model's prefill rate.
+(``radixcache.app.kv_size``): what a warm store saves depends on that against the model's prefill rate.
 Medians over repetitions. (The cold-process TTFT table, 1k/2k/4k-token prefixes from a warm store
 against recomputing on the embedded model, joins this script with ``wrap(model, store=URL)``.)
 
@@ -48,7 +48,7 @@ from benchmarks.report import fmt, median, table  # noqa: E402
 from radixcache.integrations.redis_store import RedisStore, pool_format  # noqa: E402
 from radixcache.integrations.redis_store.local import LocalRedis, find_binary  # noqa: E402
 from radixcache.kv.pool import KVPool  # noqa: E402
-from radixcache.sizing import preset  # noqa: E402
+from radixcache.app.kv_size import preset  # noqa: E402
 
 HEADER = "radixcache store benchmark"
 MODEL = "smollm2-135m-instruct"  # its KV geometry: 30 layers, 3 KV heads, head_dim 64, fp32

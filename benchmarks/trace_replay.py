@@ -16,6 +16,9 @@ Capacities are fractions of the working set (the trace's distinct blocks). Polic
 sessions. The ideal hit rate is that of an unbounded cache in the same event order, computed
 without the tree; at 100% the tree must reproduce it exactly, or the run fails.
 
+Beside the bare tree, the same replay runs through ``CacheManager`` (``benchmarks/trace_manager.py``:
+``admit``, ``grow``, ``commit`` + ``finish``), the lifecycle an engine runs, at GC on.
+
 Timings: every tree call is timed alone (``perf_counter_ns``) with Python's GC on (``--gc off`` or
 ``both`` adds runs without it). Per 1k tokens: a call's time divided by the tokens it was given, over
 requests with prompts of at least 1k tokens. Tokens are handed to the tree as ``array('I')``, the
@@ -24,7 +27,14 @@ converts them). Memory, sampled as the 100% run's tree grows: the process's resi
 per cached block, and the bytes of the tree's own structures counted object by object (both
 exclude the allocator's fixed 8 B per pool block: counts and free list).
 
-    python benchmarks/trace_replay.py [--trace PATH ...] [--no-agent] [--quick] [--json PATH]
+``--kv-events`` replays each row twice more: with the tree logging its block changes into a
+``BlockEventLog`` that nothing drains during the timed calls (``log``: what events cost the
+tree's own thread), and publishing them (``on``: a ``KVEventPublisher`` bound on loopback, nobody
+subscribed, so every message is still hashed, encoded and sent by its thread, which shares the
+GIL with the replay); it prints the tree's match + insert time of the three side by side and the
+CPU time of the publisher's thread (block digests, encoding).
+
+    python benchmarks/trace_replay.py [--trace PATH ...] [--no-agent] [--quick] [--kv-events] [--json PATH]
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from benchmarks.traces import (  # noqa: E402
 )
 
 from radixcache import BlockAllocator, RadixCache  # noqa: E402
+from radixcache.kv_events import BlockEventLog, KVEventPublisher  # noqa: E402
 
 OPS = ("match", "insert", "evict", "lock", "unlock", "retain")
 MEMORY_STEP = 250_000            # blocks between resident-memory samples
@@ -65,13 +76,13 @@ def tree_bytes(tree: RadixCache) -> int:
     """Bytes the tree's own structures hold, counted object by object (``sys.getsizeof``): the
     node columns, every node's tokens, block ids and child table, the recency tiers, and the
     in-tree marks (one byte per pool block). Ints shared with other structures count once."""
-    store, recency = tree.store, tree.recency
-    total = sum(sys.getsizeof(col) for col in (store.parent, store.lock_ref, store.own_locks, store.access,
-                                               store.until, store.gen, store.free_ids, store.keys,
-                                               store.blocks, store.kids))
-    total += sum(sys.getsizeof(k) for k in store.keys if k is not None)
-    total += sum(sys.getsizeof(b) for b in store.blocks)
-    total += sum(sys.getsizeof(d) for d in store.kids if d is not None)
+    nodes, recency = tree.node_table, tree.recency
+    total = sum(sys.getsizeof(col) for col in (nodes.parent, nodes.lock_ref, nodes.own_locks, nodes.access,
+                                               nodes.until, nodes.gen, nodes.free_ids, nodes.keys,
+                                               nodes.blocks, nodes.kids))
+    total += sum(sys.getsizeof(k) for k in nodes.keys if k is not None)
+    total += sum(sys.getsizeof(b) for b in nodes.blocks)
+    total += sum(sys.getsizeof(d) for d in nodes.kids if d is not None)
     for tier in (recency.lru, recency.kept, recency.expiry):
         total += sum(sys.getsizeof(x) + 8 for x in tier)  # each entry and its list slot
     total += sys.getsizeof(recency.where) + sys.getsizeof(recency.retained)
@@ -155,6 +166,7 @@ class Timings:
                 res[name] = {"p50_us": float(np.percentile(per_1k, 50)) if sel.any() else None,
                              "p99_us": float(np.percentile(per_1k, 99)) if sel.any() else None,
                              "calls": int(sel.sum())}
+            res["match_insert_s"] = float(ns[op <= 1].sum()) / 1e9
             worst = int(np.argmax(ns))
             res["worst"] = {"op": OPS[op[worst]], "ms": float(ns[worst]) / 1e6, "tokens": int(tokens[worst])}
             for code, name in enumerate(OPS):
@@ -164,11 +176,17 @@ class Timings:
 
 
 def replay(trace: Trace, order, capacity: int, policy: str, bs: int, retain_s: float,
-           token_form: str, sample_memory: bool) -> dict:
-    """One replay of ``trace`` at ``capacity`` blocks under ``policy``; returns its numbers."""
+           token_form: str, sample_memory: bool, kv_events: str = "off") -> dict:
+    """One replay of ``trace`` at ``capacity`` blocks under ``policy``, KV events ``off``, ``log``ged
+    only or ``on`` (see the module docstring); returns its numbers."""
     now = [0.0]
     alloc = BlockAllocator(pool_blocks(trace, bs, order, capacity))
     tree = RadixCache(alloc, block_size=bs, clock=lambda: now[0])
+    publisher = KVEventPublisher("tcp://127.0.0.1:*") if kv_events == "on" else None
+    log = publisher.log if publisher else BlockEventLog(2**62) if kv_events == "log" else None
+    if log is not None:
+        tree.set_event_log(log)
+    drain = log.records.clear if kv_events == "log" else (lambda: None)  # untimed
     timings, hits = Timings(), np.zeros(len(trace), dtype=np.int64)
     flight: dict = {}
     memory, next_sample = [], MEMORY_STEP
@@ -196,6 +214,7 @@ def replay(trace: Trace, order, capacity: int, policy: str, bs: int, retain_s: f
                 tree.evict(need - alloc.num_free)
                 timings.add(2, wall() - t0, cpu() - c0, 0, n_in)
             flight[i] = (tokens, m.node, list(m.blocks) + alloc.allocate(need))
+            drain()
             hits[i] = m.length
             continue
         tokens, node, blocks = flight.pop(i)
@@ -215,6 +234,7 @@ def replay(trace: Trace, order, capacity: int, policy: str, bs: int, retain_s: f
             t0, c0 = wall(), cpu()
             tree.evict(tree.cached_blocks - capacity)
             timings.add(2, wall() - t0, cpu() - c0, 0, n_in)
+        drain()
         if sample_memory and tree.cached_blocks >= next_sample:
             memory.append((tree.cached_blocks, rss_bytes() - base_rss, tree_bytes(tree)))
             next_sample = (tree.cached_blocks // MEMORY_STEP + 1) * MEMORY_STEP
@@ -225,7 +245,12 @@ def replay(trace: Trace, order, capacity: int, policy: str, bs: int, retain_s: f
         tree.check()
     result = {"capacity_blocks": capacity, "pool_blocks": alloc.num_blocks, "policy": policy,
               "hit_tokens": int(hits.sum()), "hits": hits, "cached_blocks": tree.cached_blocks,
-              "elapsed_s": elapsed, "memory": memory, "timings": timings.summary()}
+              "elapsed_s": elapsed, "memory": memory, "timings": timings.summary(), "calls": timings,
+              "kv_events": kv_events}
+    tree.set_event_log(None)
+    if publisher is not None:
+        publisher.flush(3600)
+        result["publisher"] = publisher.close()
     tree.reset()
     return result
 
@@ -243,24 +268,36 @@ def run_trace(trace: Trace, args, log) -> dict:
     for pct in sorted(args.capacities, reverse=True):
         capacity = max(1, round(working_set * pct / 100))
         for policy in policies:
-            for gc_on in {"on": [True], "off": [False], "both": [True, False]}[args.gc]:
+            for gc_on, events_on in [(g, e) for g in {"on": [True], "off": [False],
+                                                      "both": [True, False]}[args.gc]
+                                     for e in (["off", "log", "on"] if args.kv_events else ["off"])]:
                 (gc.enable if gc_on else gc.disable)()
                 r = replay(trace, order, capacity, policy, bs, args.retain_s, args.tokens,
-                           sample_memory=pct == 100 and policy == "lru" and gc_on)
+                           sample_memory=pct == 100 and policy == "lru" and gc_on and events_on == "off",
+                           kv_events=events_on)
                 gc.enable()
                 if pct == 100 and r["hit_tokens"] != int(ideal_hits.sum()):
                     bad = np.flatnonzero(r["hits"] != ideal_hits)[:5].tolist()
                     raise SystemExit(f"{trace.name}: at 100% the tree hit {r['hit_tokens']} tokens, "
                                      f"the ideal is {int(ideal_hits.sum())} (requests {bad} differ)")
                 del r["hits"]
+                calls = r.pop("calls")
+                if events_on == "off":
+                    twin = calls
+                else:
+                    r["paired_cost_pct"] = paired_cost(twin, calls)
                 r.update(capacity_pct=pct, gc="on" if gc_on else "off",
                          hit_rate=r["hit_tokens"] / queried, ideal_hit_rate=int(ideal_hits.sum()) / queried)
                 rows.append(r)
-                log(f"  {trace.name}: {pct}% {policy} gc {r['gc']}: hit {r['hit_rate']:.4f} "
-                    f"(ideal {r['ideal_hit_rate']:.4f}), {r['elapsed_s']:.1f} s")
-    rows.sort(key=lambda r: (r["capacity_pct"], policies.index(r["policy"]), r["gc"] == "off"))
+                log(f"  {trace.name}: {pct}% {policy} gc {r['gc']} kv events {r['kv_events']}: "
+                    f"hit {r['hit_rate']:.4f} (ideal {r['ideal_hit_rate']:.4f}), {r['elapsed_s']:.1f} s")
+    rows.sort(key=lambda r: (r["capacity_pct"], policies.index(r["policy"]), r["gc"] == "off",
+                             ("off", "log", "on").index(r["kv_events"])))
+    from benchmarks.trace_manager import replay_all  # it imports this module's helpers
+
+    managed = replay_all(trace, order, args, working_set, queried, policies, log)
     return {"trace": trace.name, "params": trace.params, "measured": describe(trace),
-            "working_set_blocks": working_set, "rows": rows}
+            "working_set_blocks": working_set, "rows": rows, "manager_rows": managed}
 
 
 def render(result: dict, clock: str) -> str:
@@ -270,6 +307,8 @@ def render(result: dict, clock: str) -> str:
               "insert p50/p99 us/1k", "worst call")
     lines = []
     for r in result["rows"]:
+        if r["kv_events"] != "off":
+            continue  # beside its events-off twin in render_kv_events
         t = r["timings"][clock]
         w = t["worst"]
         lines.append((f"{r['capacity_pct']}%", f"{r['capacity_blocks']:,}", r["policy"], r["gc"],
@@ -283,6 +322,9 @@ def render(result: dict, clock: str) -> str:
              for pct in sorted({k[0] for k in by}) if (pct, "retention", "on") in by]
     if gains:
         out.append("retention - lru hit rate: " + ", ".join(gains))
+    from benchmarks.trace_manager import render_manager
+
+    out.extend(render_manager(result, clock))
     mem = [m for r in result["rows"] for m in r["memory"]]
     if mem:
         out.append("")
@@ -290,6 +332,53 @@ def render(result: dict, clock: str) -> str:
                          [(f"{b:,}", f"{d / 2**20:.1f} MiB", f"{d / b:.1f}", f"{t / 2**20:.1f} MiB",
                            f"{t / b:.1f}") for b, d, t in mem if b], left=()))
     return "\n".join(out)
+
+
+def paired_cost(off: Timings, on: Timings) -> dict:
+    """Per clock: the median over match and insert calls of (the call with events / the same call
+    without) - 1, in percent. The replays make the same calls in the same order, so each pair did
+    the same work; the median ignores the calls a loaded machine or a GC pass happened to slow."""
+    op = np.frombuffer(off.op, np.int8)
+    assert len(on.op) == len(op), "the replays with and without events made different calls"
+    sel = op <= 1
+    out = {}
+    for clock in off.ns:
+        a = np.frombuffer(off.ns[clock], np.int64)[sel]
+        b = np.frombuffer(on.ns[clock], np.int64)[sel]
+        keep = a > 0
+        out[clock] = float(100 * (np.median(b[keep] / a[keep]) - 1)) if keep.any() else None
+    return out
+
+
+def render_kv_events(result: dict, clock: str) -> str:
+    """KV events off, logged and on side by side per row: the tree's match + insert time (p50 per
+    1k tokens, and in all), and the publisher thread's CPU time. Empty without ``--kv-events``."""
+    rows = {(r["capacity_pct"], r["policy"], r["gc"], r["kv_events"]): r for r in result["rows"]}
+    lines = []
+    for (pct, policy, gc_on, events), r in rows.items():
+        if events != "on":
+            continue
+        off, log = (rows[pct, policy, gc_on, e]["timings"][clock] for e in ("off", "log"))
+        on, pub = r["timings"][clock], r["publisher"]
+        base = off["match_insert_s"]
+        lines.append((f"{pct}%", policy, gc_on,
+                      " / ".join(fmt(t["match"]["p50_us"], ".1f") for t in (off, log, on)),
+                      " / ".join(fmt(t["insert"]["p50_us"], ".1f") for t in (off, log, on)),
+                      " / ".join(f"{t['match_insert_s']:.3f}" for t in (off, log, on)),
+                      f"{rows[pct, policy, gc_on, 'log']['paired_cost_pct'][clock]:+.1f}%",
+                      f"{r['paired_cost_pct'][clock]:+.1f}%",
+                      f"{pub['kv_events_thread_cpu_s']:.2f} ({100 * pub['kv_events_thread_cpu_s'] / base:.0f}%)",
+                      f"{pub['kv_events_batches']:,}", f"{pub['kv_events_dropped']:,}"))
+    if not lines:
+        return ""
+    header = ("capacity", "policy", "gc", "match p50 us/1k off/log/on",
+              "insert p50 us/1k off/log/on", "match+insert s off/log/on", "log cost*", "on cost*",
+              "publisher CPU s (of off)", "batches", "dropped")
+    return ("KV events: off, log (the tree's thread records its changes), on (and the publisher's "
+            "thread hashes, encodes and sends beside it):\n" + table(header, lines, left=(0, 1, 2))
+            + "\n* the median over match and insert calls of the same call's time with events / "
+              "without, minus 1; publisher CPU: its thread's CPU time, and its share of the "
+              "events-off match + insert time")
 
 
 def main(argv=None) -> int:
@@ -313,6 +402,8 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="clock of the printed timings (both go to --json; cpu leaves out time "
                              "spent waiting for a core on a loaded machine)")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="replay every row again publishing KV events, and compare")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to PATH as JSON")
     args = parser.parse_args(argv)
 
@@ -341,6 +432,10 @@ def main(argv=None) -> int:
         print("measured: " + ", ".join(f"{k} {v:,.4g}" if isinstance(v, float) else f"{k} {v:,}"
                                        for k, v in result["measured"].items()))
         print(render(result, args.clock))
+        events_table = render_kv_events(result, args.clock)
+        if events_table:
+            print()
+            print(events_table)
     print()
     print("ideal hit = an unbounded cache in the same event order; us/1k = microseconds per 1,000 tokens "
           "given to the call (prompts >= 1k tokens); worst call = the slowest single tree call, GC included")

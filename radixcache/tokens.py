@@ -92,6 +92,15 @@ def as_token_tuple(tokens) -> tuple:
     return tuple(unpack(token_bytes(tokens)))
 
 
+def token_array(tokens) -> array:
+    """Validate ``tokens`` as ``token_bytes`` does and return them as an ``array('I')``: the form
+    the cache lifecycle carries a request's tokens in (the tree packs it with one copy). An
+    ``array('I')`` is returned as it is, not copied."""
+    if type(tokens) is array and tokens.typecode == "I":
+        return tokens
+    return unpack(token_bytes(tokens))
+
+
 def unpack(data: bytes) -> array:
     """Packed token bytes back as an ``array('I')`` of ids."""
     out = array("I")

@@ -26,7 +26,8 @@
 #   7. python benchmarks/gpu_bench.py (torch vs flashinfer: tokens/s, TTFT p50, a cached
 #      lm.generate turn's TTFT, max |logit diff|);
 #   8. if at least 150 s of the budget (GPU_CHECK_BUDGET_S, default 460) are left: the
-#      window/soft-cap and fp8 variant tests (RADIXCACHE_GPU_VARIANTS=1; 2 more JIT modules),
+#      window/soft-cap, fp8 and MLA (K 192 / V 128 head dims) variant tests
+#      (RADIXCACHE_GPU_VARIANTS=1; 3 more JIT modules),
 #      else they are reported as skipped.
 # Exit status: 0 when steps 6 and 7 (and 8 when it ran) passed, 1 otherwise.
 set -uo pipefail
@@ -157,15 +158,15 @@ timeout "$t" "$PY" benchmarks/gpu_bench.py --out "$RESULTS"
 rc=$?; STATUS[bench]=$rc
 (( rc == 124 )) && echo "TIMEOUT after ${t}s"
 
-stage "8. variant tests (sliding window + soft cap, fp8 pool)"
+stage "8. variant tests (sliding window + soft cap, fp8 pool, MLA head dims)"
 t=$(left)
 if (( t >= 150 )); then
   RADIXCACHE_GPU_VARIANTS=1 timeout "$t" "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-    --junitxml="$RESULTS/pytest_gpu_variants.xml" tests/test_flashinfer.py -k "softcap or fp8"
+    --junitxml="$RESULTS/pytest_gpu_variants.xml" tests/test_flashinfer.py -k "softcap or fp8 or mla"
   rc=$?; STATUS[variants]=$rc
   (( rc == 124 )) && echo "TIMEOUT after ${t}s"
 else
-  echo "skipped: only ${t}s of the ${BUDGET}s budget left (run: RADIXCACHE_GPU_VARIANTS=1 pytest -m gpu tests/test_flashinfer.py -k 'softcap or fp8')"
+  echo "skipped: only ${t}s of the ${BUDGET}s budget left (run: RADIXCACHE_GPU_VARIANTS=1 pytest -m gpu tests/test_flashinfer.py -k 'softcap or fp8 or mla')"
   STATUS[variants]=skipped
 fi
 

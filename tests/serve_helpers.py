@@ -139,7 +139,7 @@ class ServeProcess:
             self.port = sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, HF_HUB_OFFLINE="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(model_dir),
+        self.proc = subprocess.Popen([sys.executable, "-m", "radixcache.app.cli", "serve", "--model", str(model_dir),
                                       "--port", str(self.port), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self._lines: list[str] = []

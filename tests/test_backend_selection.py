@@ -85,3 +85,87 @@ def test_page_table_of_a_decode_step():
 def test_page_table_rejects_bad_segments(segs, match):
     with pytest.raises(CacheError, match=match):
         page_table(segs, 16)
+
+
+# ------------------------------------ FlashInfer planning against the torch reference (CPU)
+# flashinfer-python 0.6.18's plan signatures, positional part (BatchPrefillWithPagedKVCacheWrapper
+# and BatchDecodeWithPagedKVCacheWrapper): what wrapper_plan's positional arguments mean to it.
+PREFILL_PLAN = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len",
+                "num_qo_heads", "num_kv_heads", "head_dim_qk", "page_size")
+DECODE_PLAN = ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
+               "page_size")
+
+
+def flashinfer_semantics(kind, args, kwargs, q, kv_cache):
+    """What FlashInfer's documented API computes for this plan and ``run(q, kv_cache)``: per
+    request its pages' K/V (the last page ``last_page_len`` full), causal aligned to the end of the
+    K/V (decode: one query at the end), ``window_left`` inclusive, soft cap on the scaled logits,
+    GQA by head groups, output ``head_dim_vo`` wide."""
+    plan = dict(zip(PREFILL_PLAN if kind == "prefill" else DECODE_PLAN, args), **kwargs)
+    if kind == "decode":
+        plan.update(qo_indptr=torch.arange(len(plan["indptr"])), paged_kv_indptr=plan["indptr"],
+                    paged_kv_indices=plan["indices"], paged_kv_last_page_len=plan["last_page_len"],
+                    head_dim_qk=plan["head_dim"], head_dim_vo=plan["head_dim"])
+    assert kind == "decode" or plan["causal"]
+    k_cache, v_cache = kv_cache
+    assert k_cache.shape[1:] == (plan["page_size"], plan["num_kv_heads"], plan["head_dim_qk"])
+    assert v_cache.shape[1:] == (plan["page_size"], plan["num_kv_heads"], plan["head_dim_vo"])
+    heads, groups = plan["num_qo_heads"], plan["num_qo_heads"] // plan["num_kv_heads"]
+    out = q.new_zeros(q.shape[0], heads, plan["head_dim_vo"])
+    qo, kvp, last = plan["qo_indptr"].tolist(), plan["paged_kv_indptr"].tolist(), \
+        plan["paged_kv_last_page_len"].tolist()
+    indices = plan["paged_kv_indices"].tolist()
+    for i in range(len(qo) - 1):
+        pages = indices[kvp[i]:kvp[i + 1]]
+        kv_len = (len(pages) - 1) * plan["page_size"] + last[i]
+        k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:kv_len].float()
+        v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:kv_len].float()
+        for row in range(qo[i], qo[i + 1]):
+            pos = kv_len - (qo[i + 1] - row)
+            keys = torch.arange(kv_len)
+            visible = keys <= pos
+            if plan["window_left"] >= 0:
+                visible &= pos - keys <= plan["window_left"]
+            for h in range(heads):
+                logits = (k[:, h // groups] @ q[row, h].float()) * plan["sm_scale"]
+                if plan["logits_soft_cap"]:
+                    cap = plan["logits_soft_cap"]
+                    logits = cap * torch.tanh(logits / cap)
+                weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), 0)
+                out[row, h] = weights @ v[:, h // groups]
+    return out
+
+
+@pytest.mark.parametrize("head_dims", [(16, 16), (24, 12)])  # (K, V): MLA-style when they differ
+@pytest.mark.parametrize("steps", ["mixed", "decode"])
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 4.0)])
+def test_flashinfer_plan_means_what_the_torch_reference_computes(head_dims, steps, window, softcap):
+    """wrapper_plan's wrapper choice and plan arguments, read with FlashInfer's documented
+    semantics over paged_kv_cache, give the torch backend's output (K and V head dims equal or
+    not; mixed prefill/decode steps and pure decodes; sliding window; soft cap)."""
+    from radixcache.attention import StepPlan
+    from radixcache.attention.flashinfer_backend import paged_kv_cache, plan_step, wrapper_plan
+    from radixcache.kv.pool import KVPool
+
+    dk, dv = head_dims
+    g = torch.Generator().manual_seed(dk + len(steps))
+    pool = KVPool(2, 24, 4, 2, dk, dtype=torch.float32, device="cpu", head_dim_v=dv)
+    rows = pool.rows_for(list(range(24)), 0, 96)
+    for layer in range(2):
+        pool.write(layer, rows, torch.randn(96, 2, dk, generator=g), torch.randn(96, 2, dv, generator=g))
+    if steps == "mixed":
+        segments = [Segment(0, 7, 7, (3, 4)), Segment(7, 1, 10, (0, 1, 2)),
+                    Segment(8, 5, 13, (0, 1, 9, 10)), Segment(13, 1, 4, (5,))]
+    else:
+        segments = [Segment(0, 1, 10, (0, 1, 2)), Segment(1, 1, 9, (0, 1, 6)), Segment(2, 1, 1, (7,))]
+    plan = StepPlan(pool, segments, TorchBackend())
+    query = torch.randn(plan.num_tokens, 4, dk, generator=g)
+    window_left = window - 1 if window else -1
+    config = (4, 0.4, window_left, softcap or 0.0, torch.float32, torch.float32)
+    kind, args, kwargs = wrapper_plan(plan_step(plan, CPU, 0), config, pool)
+    assert kind == ("decode" if steps == "decode" and dk == dv else "prefill")
+    for layer in range(2):
+        want = TorchBackend().attend(layer, query, plan, 0.4, sliding_window=window, softcap=softcap)
+        got = flashinfer_semantics(kind, args, kwargs, query, paged_kv_cache(pool, layer))
+        assert got.shape == want.shape == (plan.num_tokens, 4, dv)
+        assert torch.allclose(got, want, atol=1e-5)

@@ -41,7 +41,9 @@ TINY_BATCH = dict(requests=4, system_tokens=40, unique_tokens=8, new_tokens=4, s
                   temperature=0.8, repeats=1, cb_repeats=1, cb_greedy=4, cb_sampled=2,
                   plain_greedy=2, plain_sampled=1, floor_requests=3, floor_new_tokens=3,
                   sched_systems=2, sched_per_system=3, sched_system_tokens=48,
-                  sched_unique_tokens=8, sched_new_tokens=2, sched_cache_prompts=1.5)
+                  sched_unique_tokens=8, sched_new_tokens=2, sched_cache_prompts=1.5,
+                  decode_floor=((3, 48),), decode_floor_steps=3,
+                  decode_floor_rounds=2)
 
 
 @pytest.fixture(autouse=True)
@@ -85,6 +87,10 @@ def test_batch_core_runs_and_prints_tables():
     assert floor["radix_forward_ms"] > 0 and floor["floor_decode_step_ms"] > 0
     assert {r["schedule"] for r in report["schedulers"]} == {"lpm", "fcfs"}
     assert all(r["generated"] == 6 * 2 for r in report["schedulers"])
+    (decode,) = report["decode_floor"]
+    assert "decode floor" in text and decode["same_tokens"] and decode["fallbacks"] == 0
+    assert (decode["sequences"], decode["context"]) == (3, 48) and decode["ratio"] > 0
+    assert len(decode["round_ratios"]) == 2 and decode["ratio"] in decode["round_ratios"]
 
 
 def test_batch_main_quick_writes_json(tmp_path, capsys):
@@ -95,7 +101,9 @@ def test_batch_main_quick_writes_json(tmp_path, capsys):
         batch.QUICK.update(requests=3, system_tokens=32, unique_tokens=4, new_tokens=2, samples=2,
                            cb_greedy=3, cb_sampled=2, plain_greedy=1, plain_sampled=1,
                            floor_requests=2, floor_new_tokens=2, sched_systems=2,
-                           sched_per_system=2, sched_system_tokens=32, sched_unique_tokens=4)
+                           sched_per_system=2, sched_system_tokens=32, sched_unique_tokens=4,
+                           decode_floor=((2, 32),), decode_floor_steps=2,
+                           decode_floor_rounds=1)
         assert batch.main(["--quick", "--threads", "1", "--json", str(out)], load=tiny_llama) == 0
     finally:
         batch.QUICK.clear()

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from radixcache.cli import main
-from radixcache.sizing import PRESETS
+from radixcache.app.cli import main
+from radixcache.app.kv_size import PRESETS
 
 
 def run_cli(capsys, *argv):
@@ -18,8 +18,9 @@ def run_cli(capsys, *argv):
 
 
 def table_lines(out):
-    """The data lines of the printed table (after the title, header and rule)."""
-    return out.splitlines()[3:]
+    """The data lines of the printed table (after the title, header and rule; before any notes)."""
+    lines = out.splitlines()[3:]
+    return lines[:lines.index("")] if "" in lines else lines
 
 
 def test_kv_size_single_preset_default_dtypes(capsys):
@@ -27,11 +28,12 @@ def test_kv_size_single_preset_default_dtypes(capsys):
     assert code == 0
     assert "8,192 tokens" in out
     lines = table_lines(out)
-    assert [line.split()[5] for line in lines] == ["bf16", "fp16", "fp8"]
-    bf16 = lines[0]
+    assert [line.split()[5] for line in lines] == ["fp32", "bf16", "fp16", "fp8"]  # fp32: CPU's
+    fp32, bf16 = lines[:2]
     assert "Llama-3-8B" in bf16 and "GQA" in bf16 and "131,072" in bf16 and "128 KiB" in bf16
     assert bf16.split()[-2:] == ["1", "GiB"]  # 8,192 tokens x 128 KiB, one sequence
-    assert "64 KiB" in lines[2]
+    assert "262,144" in fp32 and fp32.split()[-2:] == ["2", "GiB"]
+    assert "64 KiB" in lines[3]
 
 
 def test_kv_size_defaults_to_every_preset_with_attention_kinds(capsys):
@@ -41,7 +43,8 @@ def test_kv_size_defaults_to_every_preset_with_attention_kinds(capsys):
         assert name in out
     for kind in ("MHA", "GQA", "MQA", "MLA"):
         assert kind in out
-    assert len(table_lines(out)) == 3 * len(PRESETS)
+    assert len(table_lines(out)) == 4 * len(PRESETS)
+    assert "fp32" in table_lines(out)[0]  # the dtype the embedded model runs in on CPU
 
 
 def test_kv_size_context_sequences_and_repeated_options(capsys):
@@ -82,9 +85,9 @@ def test_usage_errors_exit_2(argv, capsys):
 
 def test_demo_passes_model_turns_and_out(monkeypatch):
     seen = []
-    fake = types.ModuleType("radixcache.demo")
+    fake = types.ModuleType("radixcache.app.demo")
     fake.main = lambda args: seen.append(args) or 0
-    monkeypatch.setitem(sys.modules, "radixcache.demo", fake)
+    monkeypatch.setitem(sys.modules, "radixcache.app.demo", fake)
     assert main(["demo"]) == 0
     assert (seen[0].model, seen[0].turns, seen[0].out) == (None, 6, "out/")
     assert main(["demo", "--model", "/m", "--turns", "2", "--out", "o"]) == 0
@@ -92,7 +95,7 @@ def test_demo_passes_model_turns_and_out(monkeypatch):
 
 
 def test_module_entry_point_runs_in_a_subprocess():
-    result = subprocess.run([sys.executable, "-m", "radixcache.cli", "kv-size", "--preset", "llama-3-8b"],
+    result = subprocess.run([sys.executable, "-m", "radixcache.app.cli", "kv-size", "--preset", "llama-3-8b"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "Llama-3-8B" in result.stdout and "131,072" in result.stdout and "128 KiB" in result.stdout
@@ -150,3 +153,62 @@ def test_bad_memory_and_context_exit_2_naming_the_problem(argv, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "error" in err and argv[1] in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context", "99999999999999999999k"], "at most 4,294,967,296"),
+    (["--context", "4097M"], "at most 4,294,967,296"),
+    (["--sequences", str(2**32 + 1)], "at most 4,294,967,296"),
+    (["--memory", "2000000T"], "more than 1 EiB"),
+    (["--preset", "llama-7b", "--context", "1M", "--sequences", "2000000"], "more than 1 EiB"),
+])
+def test_absurd_sizes_are_refused_with_a_message(argv, message, capsys):
+    """Sizes no machine holds are usage errors, not "11920928955078.12 PiB"."""
+    with pytest.raises(SystemExit) as exc:
+        main(["kv-size", *argv])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "PiB" not in captured.out
+
+
+def test_the_largest_sizes_allowed_still_print(capsys):
+    code, out = run_cli(capsys, "kv-size", "--preset", "llama-7b", "--context", "4096M", "--dtype", "fp8")
+    assert code == 0 and table_lines(out)[0].split()[-4:] == ["1", "PiB", "1", "PiB"]
+
+
+def test_kv_size_notes_a_sliding_window(tmp_path, capsys):
+    """A sliding window is not ignored silently: the table counts every token (radixcache's pool
+    keeps them all) and a note gives the cap a window-dropping cache would have."""
+    configs = {
+        "mistral-v0.1": dict(model_type="mistral", num_hidden_layers=32, num_attention_heads=32,
+                             num_key_value_heads=8, hidden_size=4096, sliding_window=4096),
+        "gemma-2-9b": dict(model_type="gemma2", num_hidden_layers=42, num_attention_heads=16,
+                           num_key_value_heads=8, head_dim=256, hidden_size=3584, sliding_window=4096),
+        "qwen2": dict(model_type="qwen2", num_hidden_layers=28, num_attention_heads=28,
+                      num_key_value_heads=4, hidden_size=3584, sliding_window=32768,
+                      use_sliding_window=False),
+    }
+    argv = ["kv-size", "--context", "32k", "--dtype", "bf16", "--dtype", "fp8"]
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        argv += ["--model", str(tmp_path / name)]
+    code, out = run_cli(capsys, *argv)
+    assert code == 0
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 2  # Qwen2's window is switched off
+    mistral, gemma = notes
+    assert "mistral-v0.1: a sliding window of 4,096 tokens on 32 of 32 layers" in mistral
+    assert "at most 512 MiB bf16, 256 MiB fp8 per sequence" in mistral  # 4,096 of 32,768 tokens
+    assert "on 21 of 42 layers" in gemma and "5.91 GiB bf16" in gemma  # (21 x 32k + 21 x 4k) / 42
+    assert table_lines(out)[0].split()[-4:] == ["4", "GiB", "4", "GiB"]  # every token counted
+    code, out = run_cli(capsys, "kv-size", "--model", str(tmp_path / "mistral-v0.1"), "--context", "4k")
+    assert "does not cap sequences of 4,096 tokens" in out
+
+
+def test_kv_size_mla_rows_count_expanded_k_and_v_and_note_the_latent(capsys):
+    code, out = run_cli(capsys, "kv-size", "--preset", "deepseek-v3", "--dtype", "bf16")
+    assert code == 0
+    (row,) = table_lines(out)
+    assert "MLA" in row and "192/128" in row and "4,997,120" in row
+    assert "512+64 latent" in out and "68.62 KiB per token in bf16" in out

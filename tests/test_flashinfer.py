@@ -2,7 +2,8 @@
 
 GPU only: the whole module is skipped without flashinfer-python or without CUDA. The first run
 JIT-compiles one FlashInfer module per (dtype, head_dim, window/soft-cap) configuration (a minute or
-two each); the window/soft-cap and fp8 variants add two more modules, so they only run with
+two each); the window/soft-cap, fp8 and MLA (K 192 / V 128) variants add three more modules, so
+they only run with
 ``RADIXCACHE_GPU_VARIANTS=1`` (scripts/gpu_check.sh runs them last).
 """
 
@@ -41,16 +42,16 @@ def fi_backend():
     return FlashInferBackend(DEVICE)
 
 
-def random_pool(head_dim: int, seed: int, kv_dtype=None) -> KVPool:
+def random_pool(head_dim: int, seed: int, kv_dtype=None, head_dim_v=None) -> KVPool:
     """A pool whose every block holds random K/V (written through ``KVPool.write``, so fp8 pools
     get their scales); the null block stays zero."""
     pool = KVPool(LAYERS, NUM_BLOCKS, BLOCK, KV_HEADS, head_dim, dtype=DTYPE, device=DEVICE,
-                  kv_dtype=kv_dtype)
+                  kv_dtype=kv_dtype, head_dim_v=head_dim_v)
     gen = torch.Generator().manual_seed(seed)
     rows = pool.rows_for(list(range(NUM_BLOCKS)), 0, NUM_BLOCKS * BLOCK)
     for layer in range(LAYERS):
-        k, v = (torch.randn(NUM_BLOCKS * BLOCK, KV_HEADS, head_dim, generator=gen).to(DEVICE, DTYPE)
-                for _ in range(2))
+        k, v = (torch.randn(NUM_BLOCKS * BLOCK, KV_HEADS, dim, generator=gen).to(DEVICE, DTYPE)
+                for dim in (pool.head_dim, pool.head_dim_v))
         pool.write(layer, rows, k, v)
     return pool
 
@@ -90,7 +91,7 @@ def check_step(fi, pool, segments, *, scale, sliding_window=None, softcap=None, 
         got = fi.attend(layer, q, fi_plan, scale, sliding_window=sliding_window, softcap=softcap)
         want = TorchBackend().attend(layer, q, ref_plan, scale, sliding_window=sliding_window,
                                      softcap=softcap)
-        assert got.shape == q.shape and got.dtype == q.dtype
+        assert got.shape == (tokens, Q_HEADS, pool.head_dim_v) and got.dtype == q.dtype
         torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
     assert fi.plan_calls == before + 1, "the step must be planned once, not once per layer"
     return fi_plan
@@ -108,6 +109,16 @@ def test_pure_decode_step_matches_torch(fi_backend, head_dim):
     pool = random_pool(head_dim, seed=head_dim + 1)
     plan = check_step(fi_backend, pool, build_segments(DECODES, seed=2), scale=head_dim ** -0.5)
     assert plan.backend_state.decode  # went through the decode wrapper
+
+
+@variants
+@pytest.mark.parametrize("specs", [MIXED, DECODES], ids=["mixed", "decode"])
+def test_mla_head_dims_match_torch(fi_backend, specs):
+    """K of 192 and V of 128 per head (DeepSeek's qk_nope + qk_rope and v_head_dim): every step,
+    decodes too, runs on the prefill wrapper with head_dim_vo."""
+    pool = random_pool(192, seed=13, head_dim_v=128)
+    plan = check_step(fi_backend, pool, build_segments(specs, seed=8), scale=192 ** -0.5)
+    assert plan.backend_state.decode == (specs is DECODES)
 
 
 def test_interleaved_steps_replan(fi_backend):

@@ -84,3 +84,47 @@ def test_reset_calibration_forgets_scales():
     assert pool.host_scales(1) == pytest.approx((3.0 * FP8_HEADROOM / FP8_MAX, 2.0 * FP8_HEADROOM / FP8_MAX))
     pool.reset_calibration()
     assert pool.calibrated_layers() == 0 and pool.host_scales(1) == (0.0, 0.0)
+
+
+def test_a_first_write_racing_an_import_keeps_one_scale_per_layer(monkeypatch):
+    """Issue 18, defect 2: a layer's first write calibrates its scales while a store prefetch on
+    another thread imports a block written with other scales. The calibration is held open (it
+    waits up to 0.5 s for the import to finish) so the threads overlap deterministically. The
+    import must not adopt its scales between the writer's decision and its calibration: both blocks
+    read back what was written, and the export ships the scales the bytes were written with."""
+    import threading
+
+    source = KVPool(1, 4, BS, 2, 8, dtype=torch.float32, device="cpu", kv_dtype="fp8")
+    stored = torch.linspace(-1, 1, BS * 2 * 8).view(BS, 2, 8)  # small values: a small scale
+    source.write(0, source.rows_for([0], 0, BS), stored, stored)
+    value = source.export_block(0)
+
+    pool = KVPool(1, 4, BS, 2, 8, dtype=torch.float32, device="cpu", kv_dtype="fp8")
+    original = pool._calibrate
+    imported = threading.Event()
+
+    def held_open(*args):
+        imported.wait(0.5)  # the import finishes meanwhile unless the lock keeps it out
+        original(*args)
+
+    monkeypatch.setattr(pool, "_calibrate", held_open)
+    written = torch.linspace(-8, 8, BS * 2 * 8).view(BS, 2, 8)
+    writer = threading.Thread(target=pool.write, args=(0, pool.rows_for([1], 0, BS), written, written))
+    writer.start()
+
+    def run_import():
+        pool.import_block(2, value)
+        imported.set()
+
+    importer = threading.Thread(target=run_import)
+    importer.start()
+    writer.join()
+    importer.join()
+    keys, values = pool.read(0, pool.rows_for([2], 0, BS))
+    # rescaled into the writer's (8x larger) scale: fp8 steps of about 0.07 at this range
+    assert torch.allclose(keys, stored, atol=0.1) and torch.allclose(values, stored, atol=0.1)
+    keys, _ = pool.read(0, pool.rows_for([1], 0, BS))
+    assert torch.allclose(keys, written, rtol=0.07, atol=0.05)
+    again = KVPool(1, 4, BS, 2, 8, dtype=torch.float32, device="cpu", kv_dtype="fp8")
+    again.import_block(0, pool.export_block(2))
+    assert torch.allclose(again.read(0, again.rows_for([0], 0, BS))[0], stored, atol=0.1)

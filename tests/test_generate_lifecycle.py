@@ -1,6 +1,10 @@
 """lm.generate on the cache manager: regression tests for problems 1-5 of issue 8 (returned cache,
 transformers' length rules, lazy growth, admission failures, inputs users pass)."""
 
+import logging
+import warnings
+from contextlib import contextmanager
+
 import pytest
 import torch
 from transformers import BatchEncoding
@@ -43,7 +47,7 @@ def test_returned_cache_passed_back_continues_exactly(model, argument):
     turn = torch.cat([r.sequences, random_ids(7, 3)], dim=1)
     lm.reset_stats()
     got = lm.generate(turn, max_new_tokens=8, do_sample=False, eos_token_id=eos,
-                      **{argument: r.past_key_values})
+                      **{argument: r.cache})
     assert torch.equal(got, plain(model, turn, max_new_tokens=8, eos_token_id=eos))
     assert lm.stats()["hit_tokens"] >= r.sequences.shape[1] - 1 and lm.stats()["fallbacks"] == 0
     assert torch.equal(lm.generate(other, max_new_tokens=8, do_sample=False), first_other)
@@ -51,15 +55,65 @@ def test_returned_cache_passed_back_continues_exactly(model, argument):
     lm.cache.check()
 
 
+@contextmanager
+def nothing_warned():
+    """Fails when Python warnings or transformers' logger warn inside (radixcache's own fallback
+    warning goes to the ``radixcache`` logger and is not counted)."""
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    root = logging.getLogger("transformers")
+    logging.Logger.warning_once.cache_clear()  # transformers says a deprecation once per process
+    root.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        root.removeHandler(handler)
+    assert [str(w.message) for w in caught] == [] and [r.getMessage() for r in records] == []
+
+
+@pytest.mark.parametrize("argument", ["cache", "past_key_values"])
+def test_a_cache_passed_under_either_name_warns_nothing(model, argument):
+    """``cache=`` (transformers' name) and ``past_key_values=`` (its deprecated one) are accepted
+    alike, ours or the caller's own (plain generate serves that one) or None, without a warning."""
+    from transformers import DynamicCache
+
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=1024)
+    ids = random_ids(14, 21)
+    with nothing_warned():
+        r = lm.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        turn = torch.cat([r.sequences, random_ids(5, 22)], dim=1)
+        got = lm.generate(turn, max_new_tokens=3, do_sample=False, **{argument: r.cache})
+        mine = DynamicCache(config=model.config)
+        own = lm.generate(ids, max_new_tokens=3, do_sample=False, **{argument: mine})
+        none = lm.generate(ids, max_new_tokens=3, do_sample=False, **{argument: None})
+    assert torch.equal(got, plain(model, turn, max_new_tokens=3))
+    assert torch.equal(own, plain(model, ids, max_new_tokens=3)) and mine.get_seq_length() == 16
+    assert torch.equal(none, own)
+    assert lm.stats()["fallback_reasons"] == {"caller passed its own cache": 1}
+
+
+def test_two_different_caches_are_refused(model):
+    from transformers import DynamicCache
+
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=512)
+    with pytest.raises(ValueError, match="pass one cache"):
+        lm.generate(random_ids(6, 1), max_new_tokens=2, cache=DynamicCache(config=model.config),
+                    past_key_values=DynamicCache(config=model.config))
+    assert lm.stats()["fallbacks"] == 0 and lm.stats()["requests"] == 0
+
+
 def test_released_cache_refuses_any_other_use(model):
     """Plain model.generate with a released PagedCache raises CacheError (never wrong K/V)."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=512)
     r = lm.generate(random_ids(10, 4), max_new_tokens=3, return_dict_in_generate=True)
     with pytest.raises(CacheError, match="released"):
-        model.generate(r.sequences, past_key_values=r.past_key_values, max_new_tokens=2)
+        model.generate(r.sequences, cache=r.cache, max_new_tokens=2)
     other = radixcache.wrap(model, block_size=BS, max_cache_tokens=512)
     with pytest.raises(ValueError, match="another radixcache wrapper"):
-        other.generate(r.sequences, past_key_values=r.past_key_values, max_new_tokens=2)
+        other.generate(r.sequences, past_key_values=r.cache, max_new_tokens=2)
 
 
 def test_cached_tokens_per_row_on_dict_outputs(model):

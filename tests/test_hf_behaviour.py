@@ -122,6 +122,39 @@ def test_unsupported_modes_fall_back_with_one_warning(model, lm, kwargs, reason,
     assert sum(reason in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("flags", [dict(output_attentions=True), dict(output_hidden_states=True),
+                                   dict(output_attentions=True, output_hidden_states=True)])
+def test_attentions_and_hidden_states_fall_back_whole(flags, caplog):
+    """The paged path never computes a cached prefix's attentions or hidden states (nor, with
+    radixcache's attention, any attention weights): asked for them in a dict output, generate
+    falls back with one warning and returns plain generate's, whole, cold and warm."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("eager")  # the implementation that returns attention weights
+    lm = radixcache.wrap(model, block_size=4, max_cache_tokens=1024)
+    ids = random_ids(30, 11)
+    kwargs = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, **flags)
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    assert lm.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == 33  # cached: warm
+    with caplog.at_level(logging.WARNING, logger="radixcache"):
+        for _ in range(2):
+            got = lm.generate(ids, **kwargs)
+            for name, per_step in (("attentions", 2), ("hidden_states", 3)):  # 2 layers (+ embeddings)
+                assert (getattr(got, name) is None) == (getattr(want, name) is None)
+                steps_got, steps_want = getattr(got, name) or (), getattr(want, name) or ()
+                assert len(steps_got) == len(steps_want)
+                for step_got, step_want in zip(steps_got, steps_want):
+                    assert len(step_got) == len(step_want) == per_step
+                    assert all(torch.equal(g, w) for g, w in zip(step_got, step_want))
+    assert want.attentions is None or want.attentions[0][0].shape == (1, 4, 30, 30)
+    assert want.hidden_states is None or want.hidden_states[0][-1].shape == (1, 30, 64)
+    assert torch.equal(got.sequences, want.sequences)
+    reason = "output_attentions / output_hidden_states"
+    assert lm.stats()["fallback_reasons"] == {reason: 2}
+    assert sum(reason in r.message for r in caplog.records) == 1
+    plain_tokens = lm.generate(ids, max_new_tokens=3, do_sample=False, **flags)  # not returned: paged
+    assert torch.equal(plain_tokens, want.sequences) and lm.stats()["fallbacks"] == 2
+
+
 def test_right_padding_falls_back(model, lm):
     """A right-padded mask is served by plain generate (which owns its semantics)."""
     ids = random_ids(10, 6, batch=2)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import radixcache
+from radixcache.app.kv_size import from_config
 from tiny_models import FAMILIES, random_ids, tiny_model
 
 BS = 4
@@ -147,3 +148,11 @@ def test_two_threads_share_one_wrapper(family):
     for w, g in zip(want, got):
         assert torch.equal(w, g)
     lm.cache.check()
+
+
+def test_pool_bytes_per_token_is_what_kv_size_says(family):
+    """The pool's bytes per token (K and V of their own head dims: MLA's expanded per-head K and V)
+    equal what ``radixcache kv-size`` computes from the same config."""
+    _, model = family
+    lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=256)
+    assert lm.stats()["kv_bytes_per_token"] == from_config(model.config).bytes_per_token("fp32")

@@ -6,7 +6,7 @@ import sys
 
 def test_import_does_not_pull_torch_or_transformers():
     """The core (blocks, tree, manager) imports neither torch nor transformers."""
-    code = ("import sys, radixcache, radixcache.manager; "
+    code = ("import sys, radixcache, radixcache.lifecycle.manager; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
             "print(','.join(bad)); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -3,7 +3,7 @@
 import pytest
 
 from radixcache import CacheError, OutOfBlocks
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 from test_manager_properties import ContentPool
 
 BS = 4
@@ -126,4 +126,25 @@ def test_a_tentative_admission_is_counted_only_when_recorded():
     with pytest.raises(CacheError, match="released"):
         mgr.record_admission(kept, len(tokens))
     assert mgr.stats()["requests"] == 1
+    mgr.check()
+
+
+def test_reset_stats_zeroes_every_counter_stats_reports():
+    """reset_stats zeroes the ledger and the tree's counters alike (evicted tokens too), and
+    leaves the cache's contents and sizes as they were."""
+    mgr = CacheManager(num_blocks=4, block_size=2)
+    for start in (0, 100, 200):  # the third prompt evicts the first's blocks
+        tokens = list(range(start, start + 5))
+        lease = mgr.admit(tokens)
+        mgr.grow(lease, 4)
+        mgr.commit(lease, tokens, 4)
+        mgr.release(lease, tokens)
+    before = mgr.stats()
+    assert before["evicted_tokens"] > 0 and before["requests"] == 3
+    mgr.reset_stats()
+    after = mgr.stats()
+    counters = ("requests", "queried_tokens", "hit_tokens", "computed_prompt_tokens",
+                "generated_tokens", "preemptions", "fallbacks", "evicted_tokens")
+    assert all(after[k] == 0 for k in counters), {k: after[k] for k in counters}
+    assert after["cached_tokens"] == before["cached_tokens"]
     mgr.check()

@@ -15,6 +15,10 @@ After every step:
   holds (tails included), holds the K/V of exactly the tokens it claims;
 - copy on write: a position is only ever written in a block its writer holds alone;
 - every failed call (OutOfBlocks from grow or fork, bad tokens at admit) changed nothing;
+- every block offered to the (recording) store holds, when the store copies it, exactly the K/V
+  of the tokens it is offered for, even when the offer was queued inside one hold of the lock in
+  which the lease finished, the tree evicted and other sequences took and wrote blocks;
+- a lease's token record is its path's tokens, and committing block by block keeps it shallow;
 - completeness: a sequence committed since the last eviction is matched at least to its
   block-aligned common prefix;
 - the ledger counts every admission with count=True exactly once;
@@ -27,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixcache import CacheError, OutOfBlocks
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 
 NUM_BLOCKS = 10
 NAMESPACES = ((), ("tenant",))
@@ -45,6 +49,34 @@ class ContentPool:
         """Copy every position of block ``src`` into block ``dst``."""
         self.cells[dst] = list(self.cells[src])
 
+    def export_blocks(self, blocks):
+        """A copy of what every position of each block holds now."""
+        return [list(self.cells[b]) for b in blocks]
+
+
+class RecordingStore:
+    """A shared store that keeps, for every offer, the tokens and the blocks' contents at the
+    moment it copied them; it fetches nothing."""
+
+    def __init__(self, block_size):
+        self.block_size = block_size
+        self.offered = []
+
+    def fetch(self, namespace, tokens, start, limit):
+        return []
+
+    def offer(self, namespace, tokens, start, blocks, pool):
+        end = (start + len(blocks)) * self.block_size
+        assert len(tokens) >= end
+        self.offered.append((namespace, tuple(tokens[:end]), start, pool.export_blocks(blocks)))
+        return len(blocks)
+
+    def stats(self):
+        return {}
+
+    def close(self, timeout=10.0):
+        return {}
+
 
 class Seq:
     """The machine's view of one running sequence."""
@@ -61,7 +93,8 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.bs = self.block_size
         self.pool = ContentPool(NUM_BLOCKS, self.bs)
-        self.mgr = CacheManager(NUM_BLOCKS, self.bs, pool=self.pool)
+        self.store = RecordingStore(self.bs)
+        self.mgr = CacheManager(NUM_BLOCKS, self.bs, pool=self.pool, store=self.store)
         self.seqs: list[Seq] = []
         self.known = [(1, 2, 3, 4, 5)]
         self.sure: dict = {ns: set() for ns in NAMESPACES}  # committed since the last eviction
@@ -232,6 +265,36 @@ class ManagerMachine(RuleBasedStateMachine):
             self.seqs.append(Seq(again, seq.tokens))
 
     @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), retain_s=st.sampled_from([None, 0.0, 30.0]), k=st.integers(0, NUM_BLOCKS),
+          more=st.booleans())
+    def finish_inside_one_hold_of_the_lock(self, data, retain_s, k, more):
+        """Inside one ``with manager.mutex``: commit what is pending, ``finish`` a sequence (the
+        blocks it adds are offered, the copies deferred until the lock is free), evict, and admit,
+        grow and write another sequence, which may take blocks."""
+        seq = data.draw(st.sampled_from(self.seqs), label="sequence")
+        lease = seq.lease
+        with self.mgr.mutex:
+            if getattr(seq, "pending", None):
+                self.mgr.commit(lease, seq.tokens, max(seq.pending, lease.computed))
+            computed = lease.computed
+            self.mgr.finish(lease, seq.tokens, retain_s)
+            self.seqs.remove(seq)
+            self.mgr.tree.evict(k)
+            if more:
+                tokens = self.draw_tokens(data)
+                other = Seq(self.mgr.admit(tokens, lease.namespace, count=False), tokens)
+                end = min(len(tokens), other.lease.computed + 4)
+                if self.mgr.can_grow(other.lease, end):
+                    self.mgr.grow(other.lease, end)
+                    self.write(other, other.lease.computed, end)
+                    self.mgr.commit(other.lease, tokens, end)
+                self.seqs.append(other)
+        self.note_evictions()
+        if computed >= self.bs and not self.evicted:
+            self.sure[lease.namespace].add(tuple(seq.tokens[:computed // self.bs * self.bs]))
+        event(f"finish in one hold{' with retention' if retain_s else ''}")
+
+    @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def released_lease_is_refused(self, data):
         seq = data.draw(st.sampled_from(self.seqs), label="sequence")
@@ -269,6 +332,17 @@ class ManagerMachine(RuleBasedStateMachine):
                 block = node.blocks[j // bs] if len(node.key) >= bs else node.blocks[0]
                 cell = self.pool.cells[block][p % bs]
                 assert cell == (node.namespace, path[:p + 1]), f"tree position {p} holds {cell}"
+        for ns, tokens, start, blocks in self.store.offered:
+            for j, cells in enumerate(blocks):
+                for o, cell in enumerate(cells):
+                    p = (start + j) * bs + o
+                    assert cell == (ns, tokens[:p + 1]), f"offered position {p} held {cell}"
+        self.store.offered.clear()
+        for seq in self.seqs:
+            depth, node = 0, seq.lease.node
+            while node is not None:
+                depth, node = depth + 1, node.parent
+            assert depth <= 2 + seq.lease.committed // 2, "a lease's path grew a node per commit"
         stats = mgr.stats()
         assert (stats["requests"], stats["queried_tokens"], stats["hit_tokens"]) == \
             (self.admitted, self.queried, self.hit)

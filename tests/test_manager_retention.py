@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixcache import CacheError
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 from test_manager_properties import ContentPool
 
 BS = 4
@@ -161,6 +161,6 @@ def test_retain_covers_the_committed_path_on_the_managers_clock():
     mgr.commit(lease, tokens, 9)                       # 2 whole blocks in the tree
     clock.now = 100.0
     mgr.retain(lease, 5.0)
-    assert lease.node.depth_tokens == 8 and mgr.tree.store.until[lease.node.id] == 105.0
+    assert lease.node.depth_tokens == 8 and mgr.tree.node_table.until[lease.node.id] == 105.0
     mgr.release(lease, tokens[:lease.computed])
     mgr.check()

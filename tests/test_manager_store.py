@@ -4,7 +4,7 @@ the two-process test through ``generate`` is in test_store_processes.py)."""
 
 import time
 
-from radixcache.manager import CacheManager
+from radixcache.lifecycle.manager import CacheManager
 from store_blocks import BS, NS, fill, make_pool, open_store, same_block, tokens
 
 

@@ -90,3 +90,25 @@ def test_invalidate_after_a_change_the_sample_cannot_see():
     assert lm.stats()["hit_tokens"] == 0
     lm.invalidate(model_id="tiny@v2")
     assert lm.model_id == "tiny@v2"
+
+
+def test_kv_geometry_of_a_config_without_attention_heads_names_it():
+    """Mamba's config has no attention heads: a ValueError that says so, not an AttributeError."""
+    import transformers as tf
+
+    from radixcache.integrations.hf.identity import kv_geometry
+
+    with pytest.raises(ValueError, match="MambaConfig has no attention heads"):
+        kv_geometry(tf.MambaConfig(hidden_size=64, num_hidden_layers=2))
+    assert kv_geometry(tiny_model("llama").config) == (2, 2, 16, 16)
+
+
+def test_a_model_without_attention_heads_gets_an_identity():
+    """The digest needs no attention geometry (a Mamba wrapper still roots its namespaces)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.MambaForCausalLM(tf.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                               state_size=4))
+    lm = radixcache.wrap(model)
+    assert lm.model_id == model_identity(model) and lm.namespace("t") == (lm.model_id, "t")

@@ -117,3 +117,56 @@ def test_import_rejects_what_does_not_fit_and_writes_nothing():
             pool.export_block(block)
     assert same(read(pool, 0), before)
     assert not fp8.scales.any()  # a refused import sets no scale
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_k_and_v_of_different_head_dims_round_trip(kv_dtype):
+    """An MLA pool (K 12 wide, V 8 per head): rows, reads, copies and block export/import keep K
+    and V apart and exact; the payload is every layer's K bytes then V bytes."""
+    def mla_pool():
+        return KVPool(2, 5, BS, HEADS, 12, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype,
+                      head_dim_v=8)
+
+    a, b = mla_pool(), mla_pool()
+    assert a.bytes_per_token == 2 * HEADS * (12 + 8) * (1 if kv_dtype else 4)
+    g = torch.Generator().manual_seed(3)
+    rows = a.rows_for([1], 0, BS)
+    written = [(torch.randn(BS, HEADS, 12, generator=g), torch.randn(BS, HEADS, 8, generator=g))
+               for _ in range(2)]
+    for layer, (k, v) in enumerate(written):
+        a.write(layer, rows, k, v)
+    a.copy_block(1, 3)
+    kv = a.export_block(3)
+    assert kv.shape == (2, 2, BS, HEADS, 12, 8)
+    assert len(memoryview(kv.data).cast("B")) == a.bytes_per_token * BS
+    b.import_block(0, kv)
+    for layer, (k, v) in enumerate(written):
+        got_k, got_v = b.read(layer, b.rows_for([0], 0, BS))
+        want_k, want_v = a.read(layer, rows)
+        assert got_k.shape == (BS, HEADS, 12) and got_v.shape == (BS, HEADS, 8)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        if kv_dtype is None:
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_export_blocks_is_export_block_of_each():
+    pool = make_pool("fp8")
+    fill(pool, 1, seed=1)
+    fill(pool, 4, seed=2)
+    batched = pool.export_blocks([4, 1, 4])
+    for kv, block in zip(batched, [4, 1, 4]):
+        one = pool.export_block(block)
+        assert bytes(memoryview(kv.data).cast("B")) == bytes(memoryview(one.data).cast("B"))
+        assert (kv.dtype, kv.shape, kv.scales) == (one.dtype, one.shape, one.scales)
+    assert pool.export_blocks([]) == []
+    with pytest.raises(ValueError, match="block must be"):
+        pool.export_blocks([1, BLOCKS])
+
+
+def test_the_shared_tier_refuses_a_pool_of_two_head_dims():
+    from radixcache.integrations.redis_store import pool_format
+
+    pool = KVPool(1, 2, BS, 1, 12, dtype=torch.float32, device="cpu", head_dim_v=8)
+    with pytest.raises(ValueError, match="MLA"):
+        pool_format(pool, "model")
+    assert pool_format(make_pool(), "model").shape == (LAYERS, 2, BS, HEADS, DIM)

@@ -8,7 +8,7 @@ import sys
 import httpx
 import pytest
 
-from radixcache.cli import build_parser
+from radixcache.app.cli import build_parser
 from radixcache.integrations.serve.options import ServeOptions
 from radixcache.integrations.serve.server import build_state
 from serve_helpers import DRIFT_GENERATION_THINK, ServeProcess, write_model_dir
@@ -76,7 +76,7 @@ def test_radixcache_serve_runs_and_stops_on_ctrl_c(tmp_path):
 
 
 def test_bad_options_exit_with_a_message(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "radixcache.cli", "serve", "--model", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "radixcache.app.cli", "serve", "--model", str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no config.json" in result.stderr
 

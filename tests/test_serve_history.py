@@ -3,7 +3,7 @@ with the embedded SmolLM2 template and two drifting ones; divergences are found 
 
 import pytest
 
-from radixcache.demo import build_system_prompt
+from radixcache.app.demo import build_system_prompt
 from radixcache.integrations.serve import history as H
 from radixcache.integrations.serve.chat_template import ChatRenderer
 from radixcache.integrations.serve.history import (classify_hit, common_prefix, history_after_reply,

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from radixcache.demo import build_system_prompt
+from radixcache.app.demo import build_system_prompt
 from radixcache.integrations.serve.chat_template import ChatRenderer
 from radixcache.integrations.serve.history import history_after_reply, history_tokens
 from radixcache.integrations.serve.history_index import HistoryIndex

@@ -7,10 +7,8 @@ import sys
 
 import pytest
 
-from radixcache.sizing import (
-    DTYPE_BYTES, PRESETS, KVShape, format_bytes, from_config, from_model_dir, kv_size_table, preset,
-    render_kv_table,
-)
+from radixcache.app.kv_size import DTYPE_BYTES, PRESETS, KVShape, from_config, from_model_dir, preset
+from radixcache.app.kv_size_table import format_bytes, kv_size_table, render_kv_table
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 
@@ -46,12 +44,26 @@ def test_mqa_variant_has_one_kv_head():
     assert preset("Llama-3-8B").bytes_per_token("bf16") == 8 * shape.bytes_per_token("bf16")
 
 
-def test_mla_deepseek_v3_caches_latent_plus_rope_without_factor_two():
+def test_mla_deepseek_v3_counts_the_expanded_per_head_k_and_v_the_pool_holds():
+    """transformers expands DeepSeek-V3's latent into 128 heads of K (128 nope + 64 rope) and V
+    (128) before attention; that is what radixcache's pool stores, and what kv-size counts. The
+    latent an MLA-native server caches goes through the same formula: one 512 "K" and one 64 "V"."""
     shape = preset("deepseek-v3")
     assert shape.attention == "MLA"
-    assert (shape.layers, shape.latent_dim, shape.rope_dim) == (61, 512, 64)
-    assert shape.bytes_per_token("bf16") == 61 * (512 + 64) * 2
-    assert shape.bytes_per_token("fp8") == 61 * 576
+    assert (shape.layers, shape.kv_heads, shape.head_dim, shape.head_dim_v) == (61, 128, 192, 128)
+    assert (shape.latent_dim, shape.rope_dim) == (512, 64)
+    assert shape.bytes_per_token("bf16") == 61 * 128 * (192 + 128) * 2 == 4_997_120
+    assert shape.bytes_per_token("fp8") == 61 * 128 * 320
+    assert shape.latent_bytes_per_token("bf16") == 61 * (512 + 64) * 2
+    with pytest.raises(ValueError, match="not MLA"):
+        preset("Llama-3-8B").latent_bytes_per_token()
+
+
+def test_kv_bytes_per_token_counts_k_and_v_head_dims_apart():
+    from radixcache.kv.geometry import kv_bytes_per_token
+
+    assert kv_bytes_per_token(2, 4, 24, 12, 4) == 2 * 4 * 36 * 4
+    assert kv_bytes_per_token(32, 8, 128, 128, 2) == 2 * 32 * 8 * 128 * 2
 
 
 def test_smollm2_preset():
@@ -87,7 +99,9 @@ def test_unknown_preset_and_bad_dtype_raise_value_error():
     (dict(name="x", layers=1, kv_heads=2, head_dim=1, attention="MQA"), "MQA"),
     (dict(name="x", layers=1, kv_heads=4, head_dim=1, attention="GQA", query_heads=4), "GQA"),
     (dict(name="x", layers=1, kv_heads=2, head_dim=1, attention="MHA", query_heads=4), "MHA"),
-    (dict(name="x", layers=1, kv_heads=1, head_dim=8, attention="MLA", latent_dim=4, rope_dim=2), "MLA"),
+    (dict(name="x", layers=1, kv_heads=1, head_dim=8, attention="MLA"), "latent_dim"),
+    (dict(name="x", layers=1, kv_heads=1, head_dim=8, attention="MLA", latent_dim=4, rope_dim=8), "qk_rope"),
+    (dict(name="x", layers=1, kv_heads=2, head_dim=8, attention="GQA", head_dim_v=4), "only to MLA"),
     (dict(name="x", layers=1, kv_heads=2, head_dim=8, attention="GQA", latent_dim=4), "latent_dim"),
 ])
 def test_inconsistent_shapes_raise_value_error(kwargs, message):
@@ -143,10 +157,20 @@ def test_from_config_dicts_including_explicit_head_dim_and_gpt2_names():
 
 def test_from_config_deepseek_mla_dict_matches_preset():
     config = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
-              "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+              "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
+              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
     shape = from_config(config)
     assert shape.attention == "MLA"
     assert shape.bytes_per_token("bf16") == preset("DeepSeek-V3").bytes_per_token("bf16")
+    assert (shape.head_dim, shape.head_dim_v, shape.kv_heads) == (192, 128, 128)
+
+
+def test_from_config_falcon_kv_heads():
+    """Falcon's new decoder architecture caches every query head; its original multi-query one
+    caches one."""
+    base = {"model_type": "falcon", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    assert from_config(dict(base, new_decoder_architecture=True, num_kv_heads=2)).kv_heads == 4
+    assert from_config(dict(base, new_decoder_architecture=False, multi_query=True)).kv_heads == 1
 
 
 def test_from_config_rejects_missing_fields_and_wrong_types():
@@ -176,7 +200,7 @@ def test_from_model_dir_reads_config_json(tmp_path):
 
 @pytest.mark.parametrize("n, text", [
     (0, "0 B"), (1023, "1023 B"), (1024, "1 KiB"), (131_072, "128 KiB"), (1536 * KIB, "1.5 MiB"),
-    (GIB, "1 GiB"), (70_272, "68.62 KiB"), (3 * 1024 * GIB, "3 TiB"),
+    (GIB, "1 GiB"), (70_272, "68.62 KiB"), (3 * 1024 * GIB, "3 TiB"), (2**60, "1 EiB"),
 ])
 def test_format_bytes_binary_units(n, text):
     assert format_bytes(n) == text
@@ -219,14 +243,14 @@ def test_dtype_table_is_the_documented_one():
 
 
 def test_sizing_import_stays_light():
-    code = ("import sys, radixcache.sizing, radixcache.cli; "
+    code = ("import sys, radixcache.app.kv_size, radixcache.app.cli; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_sequences_that_fit_and_the_memory_column():
-    from radixcache.sizing import sequences_that_fit
+    from radixcache.app.kv_size_table import sequences_that_fit
 
     assert sequences_that_fit(preset("Llama-3-8B"), 65 * GIB, 8192, "bf16") == 65
     assert sequences_that_fit(preset("LLaMA-7B"), 65 * GIB, 8192, "bf16") == 16
@@ -242,3 +266,37 @@ def test_sequences_that_fit_and_the_memory_column():
     header = render_kv_table(rows).splitlines()[0]
     assert header.split()[-4:] == ["fit", "in", "65", "GiB"]
     assert "fits" not in kv_size_table(preset("Llama-3-8B"), 8192)[0]
+
+
+@pytest.mark.parametrize("config, window", [
+    (dict(sliding_window=4096), (4096, 2)),
+    (dict(sliding_window=4096, use_sliding_window=False), (None, 0)),
+    (dict(sliding_window=None), (None, 0)),
+    (dict(sliding_window=512, layer_types=["sliding_attention", "full_attention"]), (512, 1)),
+    (dict(sliding_window=512, layer_types=["full_attention", "full_attention"]), (None, 0)),
+    (dict(sliding_window=1024, sliding_window_pattern=2), (1024, 1)),
+    (dict(sliding_window=1024, model_type="gemma2"), (1024, 1)),
+    (dict(sliding_window=1024, use_sliding_window=True, max_window_layers=1), (1024, 1)),
+])
+def test_from_config_reads_the_sliding_window(config, window):
+    base = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
+    shape = from_config({**base, **config})
+    assert (shape.sliding_window, shape.sliding_layers) == window
+
+
+def test_a_window_caps_only_its_layers_and_never_the_table():
+    shape = KVShape("w", 4, 2, 16, "GQA", sliding_window=100, sliding_layers=3)
+    per_layer = 2 * 2 * 16 * 2  # K and V, bf16
+    assert shape.bytes_per_sequence(1000) == 4 * per_layer * 1000  # radixcache keeps every token
+    assert shape.windowed_bytes_per_sequence(1000) == per_layer * (1 * 1000 + 3 * 100)
+    assert shape.windowed_bytes_per_sequence(50) == shape.bytes_per_sequence(50)
+    assert preset("Llama-3-8B").windowed_bytes_per_sequence(8192) == preset("Llama-3-8B").bytes_per_sequence(8192)
+
+
+@pytest.mark.parametrize("kwargs", [dict(sliding_window=0, sliding_layers=1),
+                                    dict(sliding_window=8, sliding_layers=0),
+                                    dict(sliding_window=8, sliding_layers=5),
+                                    dict(sliding_layers=1)])
+def test_inconsistent_windows_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        KVShape("w", 4, 2, 16, "GQA", **kwargs)

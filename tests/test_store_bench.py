@@ -30,7 +30,7 @@ def test_store_bench_quick_prints_tables(tmp_path):
     assert all(r["bytes_per_s"] > 0 for r in data["rows"])
     bench = next(r for r in data["rows"] if r["path"] == "redis-benchmark -t get -P 16")
     assert bench["share_of_redis_benchmark"] == 1.0
-    assert [m["bytes_per_token"] for m in data["per_model"]] == [46_080, 131_072, 65_536, 70_272]
+    assert [m["bytes_per_token"] for m in data["per_model"]] == [46_080, 131_072, 65_536, 4_997_120]  # MLA: the expanded K/V the pool holds
     assert isinstance(data["target_met"], bool)
 
 

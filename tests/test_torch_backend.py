@@ -77,7 +77,8 @@ def test_shared_prefix_takes_the_cascade_path():
     """Several decodes over one shared prefix: the plan reads the prefix once (cascade)."""
     pool, segments, query = build(1, 4, [3, 5, 1, 8], [])
     plan = check(pool, segments, query)
-    assert plan.backend_state.shared_len == 16 and plan.backend_state.decode_rows.shape == (4, 8)
+    state = plan.backend_state
+    assert state.shared_len == 16 and state.context(16).shape == (4, 8) and state.context(16).width == 8
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
@@ -106,3 +107,34 @@ def test_attend_reads_nothing_back_to_the_host(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, sync)
     for window, softcap in ((None, None), (3, None), (None, 5.0)):
         TorchBackend().attend(0, query, plan, 0.35, sliding_window=window, softcap=softcap)
+
+
+def test_a_step_sends_no_per_position_list_to_the_device(monkeypatch):
+    """Issue 18: planning a step builds on the host only what is O(segments + blocks); every
+    per-position index (rows of the new tokens, of each context) is computed on the device. Four
+    decodes over 1,000 tokens each and a 600-token prefill chunk over 1,000: the host lists the
+    plan and the backend copy to the device hold far fewer values than the 4,600 positions."""
+    import radixcache.attention.plan as plan_module
+    import radixcache.attention.torch_backend as backend_module
+
+    copied = []
+    real = plan_module.device_tensor
+
+    def counting(values, *args, **kwargs):
+        copied.append(len(values))
+        return real(values, *args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "device_tensor", counting)
+    monkeypatch.setattr(backend_module, "device_tensor", counting)
+    bs = 16
+    pool = KVPool(1, 400, bs, 2, 8, dtype=torch.float32, device="cpu")
+    blocks = iter(range(400))
+    segments, start = [], 0
+    for q_len, kv_len in [(1, 1000)] * 4 + [(600, 1000)]:
+        segments.append(Segment(start, q_len, kv_len, tuple(next(blocks) for _ in range(-(-kv_len // bs)))))
+        start += q_len
+    plan = StepPlan(pool, segments, TorchBackend())
+    TorchBackend().attend(0, torch.randn(start, 4, 8), plan, 0.35)
+    assert 0 < sum(copied) <= 5 * 3 + 5 * 63 + 10  # offsets and lengths, the block table
+    want = torch.cat([pool.rows_for(s.blocks, s.kv_len - s.q_len, s.kv_len) for s in segments])
+    assert torch.equal(plan.write_rows, want)

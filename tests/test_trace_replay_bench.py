@@ -100,12 +100,17 @@ def test_quick_replay_runs_end_to_end(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "== m.jsonl" in result.stdout and "== synthetic agent trace" in result.stdout
     assert "retention - lru hit rate: 1%:" in result.stdout
+    assert result.stdout.count("through CacheManager") == 2
     results = json.loads(out.read_text())
     mooncake, agent = results
     assert {(r["capacity_pct"], r["policy"], r["gc"]) for r in mooncake["rows"]} == {
         (pct, "lru", gc) for pct in (1, 5, 20, 100) for gc in ("on", "off")}
     assert {r["policy"] for r in agent["rows"]} == {"lru", "retention"}
+    assert {(r["capacity_pct"], r["policy"]) for r in agent["manager_rows"]} == {
+        (pct, policy) for pct in (1, 5, 20, 100) for policy in ("lru", "retention")}
     for res in results:
+        ideal = res["rows"][0]["ideal_hit_rate"]
+        assert all(0 < r["hit_rate"] <= ideal + 1e-12 for r in res["manager_rows"])
         full = [r for r in res["rows"] if r["capacity_pct"] == 100]
         assert all(r["hit_rate"] == r["ideal_hit_rate"] for r in full)
         assert all(r["hit_rate"] <= r["ideal_hit_rate"] + 1e-12 for r in res["rows"])
@@ -113,3 +118,26 @@ def test_quick_replay_runs_end_to_end(tmp_path):
         for r in res["rows"]:
             for clock in ("wall", "cpu"):
                 assert r["timings"][clock]["worst"]["ms"] > 0
+
+
+def test_quick_replay_with_kv_events_compares_off_log_and_on(tmp_path):
+    """`--kv-events`: every row replayed with events off, logged and published, the same hits, the
+    side-by-side table, and a publisher that sent batches and dropped nothing."""
+    trace = write_trace(tmp_path / "m.jsonl", MOONCAKE * 40)
+    out = tmp_path / "replay.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "trace_replay.py"), "--quick", "--trace", trace,
+         "--no-agent", "--capacities", "5,100", "--kv-events", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "KV events: off, log" in result.stdout
+    rows = json.loads(out.read_text())[0]["rows"]
+    assert [(r["capacity_pct"], r["kv_events"]) for r in rows] == [
+        (pct, e) for pct in (5, 100) for e in ("off", "log", "on")]
+    for pct in (5, 100):
+        hits = {r["hit_tokens"] for r in rows if r["capacity_pct"] == pct}
+        assert len(hits) == 1  # events never change what the tree does
+    published = [r for r in rows if r["kv_events"] == "on"]
+    assert all(r["publisher"]["kv_events_batches"] > 0 for r in published)
+    assert all(r["publisher"]["kv_events_dropped"] == 0 for r in published)

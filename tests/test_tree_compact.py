@@ -44,7 +44,7 @@ def test_the_collector_tracks_a_constant_number_of_objects_whatever_the_size():
         added, tree = tracked_objects(n)
         assert sum(1 for _ in tree.nodes()) > n
         assert added < 60, f"{added} tracked objects for {n} sequences"
-        assert all(not gc.is_tracked(d) for d in tree.store.kids if d is not None)
+        assert all(not gc.is_tracked(d) for d in tree.node_table.kids if d is not None)
         tree.check()
         tree.reset()
 

@@ -19,17 +19,22 @@ docstrings) are checked:
    that surely is cached (inserted since the last eviction, or locked) and with one that may be
    cached (inserted since everything unpinned was last dropped): exact while nothing was evicted;
 4. every locked path still matches in full, with the same blocks, also after evicting everything;
-5. ``evict(k)`` drops exactly ``min(k, evictable_blocks)`` blocks, none pinned, and the most
-   recently used path outlives every other unpinned block;
+5. ``evict(k)`` drops exactly ``min(k, evictable_blocks)`` blocks, none pinned: the ``k`` first in
+   the order of the block-level LRU model (``test_tree_lru.BlockLRU``, fed every match and insert:
+   least recently used first, deepest first among blocks used together, blocks under live
+   retention last); after every step a copy of the tree is also evicted one block at a time and
+   must follow that whole order;
 6. at teardown (everything unlocked and released, then ``reset()``) every block is free.
+
+A rule plays vLLM's ``test_evict`` scenario at random: a request continues a cached sequence into
+the middle of one of its blocks (the tree offers that block, or a partial tail, to copy from), then
+runs (locked, holding its prefix) or aborts at once (released without inserting).
 
 Retention (``retain(node, until)``) runs on a clock the machine drives: a rule advances it, another
 retains a locked node or a freshly matched one until a deadline that may already have passed. The
-model keeps each retained path, cut back to what is still cached after every eviction. On top of
-the above, ``evict(k)`` never drops a block on a live retained path while fewer than ``k`` blocks
-without live retention were evictable, and drops every such block before it takes a retained one;
-the most recently used path is checked against the blocks without live retention. With no live
-retention (never retained, or every deadline passed) the checks are exactly those of plain LRU.
+model keeps each retained path, cut back to what is still cached after every eviction; a block on a
+live retained path is evicted only after every evictable block without one, and with no live
+retention (never retained, or every deadline passed) the order is exactly that of plain LRU.
 
 The checks that call ``match``/``evict`` after every step run on a deep copy of the tree so they do
 not disturb the recency order under test; ``peek`` (side-effect free) runs on the real tree and must
@@ -46,6 +51,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixcache import BlockAllocator, OutOfBlocks, RadixCache
+from test_tree_lru import BlockLRU, eviction_order
 
 NUM_BLOCKS = 24
 MAX_SEQ_BLOCKS = 6       # longest sequence, in blocks (before the ignored tail)
@@ -109,7 +115,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.reqs: list = []
         self.sure = {ns: set() for ns in NAMESPACES}   # inserted since the last eviction
         self.maybe = {ns: set() for ns in NAMESPACES}  # inserted since all unpinned was dropped
-        self.recent = None           # (namespace, tokens) of the path touched last
+        self.lru = BlockLRU()        # the last use of every block the tree holds
         self.queried = self.hit = self.inserted_tokens = 0
 
     # ------------------------------------------------------------------ model helpers
@@ -219,12 +225,11 @@ class CacheMachine(RuleBasedStateMachine):
         event(f"match: {'exact' if exact else 'bounded'}, {'hit' if m.length else 'miss'}")
         self.queried += len(tokens)
         self.hit += m.length
-        if m.tail_block is not None:  # the tail's node was touched last
-            written = self.content[m.tail_block][1]
-            self.recent = (ns, written[:len(written) // self.bs * self.bs])
-            event("match: tail")
-        elif m.length:
-            self.recent = (ns, tuple(tokens[:m.length]))
+        kept_tail = None  # a partial tail kept at the matched node is used; a child's block is not
+        if m.tail_block is not None:
+            kept_tail = m.tail_block if len(self.content[m.tail_block][1]) % self.bs else None
+            event(f"match: tail from {'a kept tail' if kept_tail is not None else 'a child'}")
+        self.lru.use(m.blocks, kept_tail)
         return m
 
     def retained_set(self) -> set:
@@ -248,41 +253,33 @@ class CacheMachine(RuleBasedStateMachine):
                 kept.append([ns, tokens[:n], until])
         self.retentions = kept
 
+    def eviction_order(self) -> list:
+        """Every evictable block in the order the model says ``evict`` takes them."""
+        pinned = self.pinned_set()
+        return self.lru.order(self.in_tree - pinned, self.retained_set() - pinned)
+
     def do_evict(self, k):
-        """evict(k) with invariant 5: exact count, nothing pinned dropped, blocks without live
-        retention before retained ones, most recent path last among those without retention."""
+        """evict(k) with invariant 5: exactly the k first blocks of the model's order."""
         tree = self.tree
         ev = tree.evictable_blocks
         pinned = self.pinned_set()
         assert ev == len(self.in_tree) - len(pinned)
         retained = self.retained_set() - pinned
-        unretained = self.in_tree - pinned - retained
-        protected = None
-        if self.recent is not None:
-            path = self.path_blocks(*self.recent)  # KeyError: the recent path is not intact
-            if not set(path) & retained and k <= len(unretained) - len(set(path) - pinned):
-                protected = set(path)
+        expected = self.eviction_order()[:k]
         dropped = tree.evict(k)
         assert dropped == min(k, ev), f"evict({k}) dropped {dropped}, evictable was {ev}"
         now = self.observe_tree()
         gone = self.in_tree - now
         assert now <= self.in_tree and len(gone) == dropped
         assert not gone & pinned, f"evict dropped pinned blocks {gone & pinned}"
-        if k <= len(unretained):
-            assert not gone & retained, f"evict({k}) dropped retained blocks {gone & retained} while " \
-                                        f"{len(unretained)} blocks without retention were evictable"
-            if retained and dropped:
-                event("evict: live retention kept its blocks")
-        else:
-            assert unretained <= gone, "evict took retained blocks before every unretained one"
-            if retained and dropped > len(unretained):
-                event("evict: retained blocks went after every unretained one")
-        if protected is not None:
-            assert protected <= now, "evict dropped the most recently used path before older blocks"
-            if dropped and protected:
-                event("evict: recent path checked to survive")
-        else:
-            self.recent = None
+        assert gone == set(expected), \
+            f"evict({k}) dropped {sorted(gone)}, the {k} least recently used are {expected} " \
+            f"(of {self.eviction_order()}, last uses {self.lru.last})"
+        if dropped:
+            event("evict: exact LRU order checked")
+            if retained:
+                event("evict: with live retention" + (", took retained blocks" if gone & retained else ""))
+        self.lru.forget(gone)
         self.in_tree = now
         if dropped:
             self.forget(self.sure)
@@ -291,14 +288,6 @@ class CacheMachine(RuleBasedStateMachine):
             assert now == pinned and tree.cached_blocks == tree.pinned_blocks
             self.forget(self.maybe)
         return dropped
-
-    def forget_tails(self, dropped):
-        """A dropped tail may have been the most recently touched leaf: its whole-block path (which
-        the machine still knows) stays most recent, so keep ``recent`` unless it pointed there."""
-        if self.recent is not None and any(
-                self.content[b][1][:len(self.content[b][1]) // self.bs * self.bs] == self.recent[1]
-                for b in dropped):
-            self.recent = None
 
     def forget(self, which):
         """After blocks were dropped: only the locked paths are still known to be (or may be) cached.
@@ -350,7 +339,7 @@ class CacheMachine(RuleBasedStateMachine):
             event("insert: tail kept")
         if dropped:
             event("insert: tail replaced or covered")
-            self.forget_tails(dropped)
+            self.lru.forget(dropped)
         self.in_tree = now
         if req.tail_block is not None:  # adopt: the tree's blocks for the whole path, and its end
             assert got.blocks == tuple(self.path_blocks(ns, tokens[:nblocks * bs]))
@@ -364,8 +353,19 @@ class CacheMachine(RuleBasedStateMachine):
             aligned = tokens[:nblocks * bs]
             self.sure[ns].add(aligned)
             self.maybe[ns].add(aligned)
-        if nblocks or req.tail_block is not None:  # the tail (or what covers it) is touched last
-            self.recent = (ns, tokens[:nblocks * bs])
+        kept_tail = None if req.tail_block is None else self.tail_holding(ns, tokens)
+        self.lru.use(self.path_blocks(ns, tokens[:nblocks * bs]), kept_tail)
+
+    def tail_holding(self, ns, tokens):
+        """The partial tail the tree holds that covers the partial last block of ``tokens`` (the one
+        an insert kept or found there), or None (a whole-block child covers it instead)."""
+        nblocks = len(tokens) // self.bs
+        for b in self.in_tree:
+            owner, written = self.content[b]
+            if owner == ns and len(written) % self.bs and len(written) // self.bs == nblocks \
+                    and written[:len(tokens)] == tokens:
+                return b
+        return None
 
     def release_req(self, req):
         for _ in range(req.locks):
@@ -423,7 +423,7 @@ class CacheMachine(RuleBasedStateMachine):
         new = self.take(len(tokens) // self.bs - len(req.blocks) + with_tail)
         if new is None:
             self.release_req(req)
-            return
+            return None
         for i, b in enumerate(new, start=len(req.blocks)):
             self.content[b] = (ns, tokens[:(i + 1) * self.bs])
         req.blocks += new
@@ -437,6 +437,27 @@ class CacheMachine(RuleBasedStateMachine):
                 release = not data.draw(st.booleans(), label="keep holding")
             if release:
                 self.release_req(req)
+                return None
+        return req
+
+    @precondition(lambda self: self.bs > 1 and any(self.maybe.values()))
+    @rule(data=st.data())
+    def continue_partly(self, data):
+        """vLLM's test_evict at random: a request's prompt is a cached sequence cut inside one of its
+        blocks, so the tree offers that block (a child's first block, or a kept tail) to copy from;
+        the request then runs (locked, holding its prefix; it inserts or aborts later) or aborts at
+        once (unlocked and released without inserting). Only the blocks it matched are refreshed."""
+        bs = self.bs
+        ns = data.draw(st.sampled_from([ns for ns in NAMESPACES if self.maybe[ns]]), label="namespace")
+        base = data.draw(st.sampled_from(sorted(self.maybe[ns])), label="continued sequence")
+        keep = data.draw(st.integers(0, len(base) // bs - 1), label="whole blocks kept")
+        tokens = base[:keep * bs + data.draw(st.integers(1, bs - 1), label="tokens into the next block")]
+        self.remember(tokens)
+        abort = data.draw(st.booleans(), label="abort at once")
+        req = self.run_request(data, ns, tokens, lock=True, reuse=True, insert=False)
+        event(f"continue partly: {'aborted' if abort else 'running'}")
+        if abort and req is not None:
+            self.release_req(req)
 
     @precondition(lambda self: any(not r.inserted for r in self.reqs))
     @rule(data=st.data())
@@ -523,11 +544,11 @@ class CacheMachine(RuleBasedStateMachine):
         now = self.observe_tree()
         assert now == pinned, f"after reset the tree holds {sorted(now)}, pinned {sorted(pinned)}"
         assert self.tree.cached_blocks == self.tree.pinned_blocks == len(pinned)
+        self.lru.forget(self.in_tree - now)
         self.in_tree = now
         self.forget(self.sure)
         self.forget(self.maybe)
         self.cut_retentions()
-        self.recent = None
 
     # ------------------------------------------------------------------ after every step
     @invariant()
@@ -584,6 +605,9 @@ class CacheMachine(RuleBasedStateMachine):
                 assert peeks[ns, s] == m.length, f"peek {peeks[ns, s]} != match {m.length}"
         ev = twin.evictable_blocks
         assert twin.evict(HUGE) == ev, "evictable_blocks is not what evict can drop"
+        order = eviction_order(self.clone())  # 5: the whole order, one block at a time
+        assert order == self.eviction_order(), f"eviction order {order}, block-level LRU order " \
+                                               f"{self.eviction_order()} (last uses {self.lru.last})"
         assert twin.cached_blocks == twin.pinned_blocks == len(pinned)
         twin.check()
         for r in self.locked():

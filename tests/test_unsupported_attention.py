@@ -38,6 +38,9 @@ def test_attention_sinks_fall_back_for_generate_and_generate_batch(caplog):
     model = gpt_oss()
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=512)
     assert "s_aux" in lm.unsupported and "s_aux" in lm.engine_unsupported
+    assert lm.pool is None and lm.stats()["kv_pool_bytes"] == 0  # no path passed: no pool
+    with pytest.raises(ValueError, match="s_aux"):
+        lm.new_engine()
     ids = random_ids(14, 1)
     want = plain(model, ids, max_new_tokens=5)
     with caplog.at_level(logging.WARNING, logger="radixcache"):

@@ -3,8 +3,9 @@
 ``install(model)`` registers, under ``radixcache_paged_<original>``, an attention function and a
 mask function and switches the model to them (idempotent). For a forward whose cache is a
 ``PlannedCache`` (``lm.generate`` and the engine) the mask function builds nothing and the attention
-function attends over the block tables through the step's backend. Every other forward (plain
-``model.generate``, another cache, no cache) gets the model's original attention and masks.
+function writes the new K/V it is handed into the pool and attends over the block tables through
+the step's backend. Every other forward (plain ``model.generate``, another cache, no cache) gets the
+model's original attention and masks.
 
 Attention arguments radixcache's backends do not implement (attention sinks ``s_aux``, an additive
 ``position_bias``, an attention mask the model built itself, dropout while training, any other
@@ -22,9 +23,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from radixcache.errors import CacheError
-from radixcache.integrations.hf.cache import PagedOffset, take_planned
+from radixcache.integrations.hf.cache import PREFIX, PagedOffset, take_planned
 
-PREFIX = "radixcache_paged_"
 # keyword arguments the backends implement or that carry nothing attention needs
 HANDLED = {"scaling", "sliding_window", "softcap", "dropout", "is_causal", "position_ids",
            "cache_position", "output_attentions", "use_cache", "position_embeddings"}
@@ -66,7 +66,7 @@ def unsupported_arguments(module, attention_mask, kwargs) -> str | None:
 
 def _make_attention(original: str):
     def paged_attention(module, query, key, value, attention_mask, **kwargs):
-        planned = take_planned(key)
+        planned = take_planned(query, key)
         if planned is None:
             return _original_function(original, module)(module, query, key, value, attention_mask,
                                                         **kwargs)
@@ -77,6 +77,7 @@ def _make_attention(original: str):
         scale = kwargs.get("scaling")
         if scale is None:
             scale = query.shape[-1] ** -0.5
+        cache.write(layer, key, value)
         out = cache.attend(layer, query, scale, kwargs.get("sliding_window"), kwargs.get("softcap"))
         return out, None
 

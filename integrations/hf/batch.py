@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+from array import array
 
+import numpy as np
 import torch
 
 from radixcache.engine import BatchOutput, BatchRun, Request, SamplingParams, StreamToken
@@ -32,10 +34,13 @@ class FromModel:
 FROM_MODEL = FromModel()
 
 
-def resolve_settings(model, explicit: dict, eos_token_id, stop_token_ids):
+def resolve_settings(model, explicit: dict, eos_token_id, stop_token_ids, vocab_size: int):
     """(settings for ``SamplingParams`` minus n/seed/stops, total length limit or None, stop ids)
     from the call's arguments. Without ``max_new_tokens`` anywhere, a ``max_length`` in the
-    model's generation config is a total length (prompt included), as in transformers."""
+    model's generation config is a total length (prompt included), as in transformers. Stop ids
+    the caller gave (``stop_token_ids``, an explicit ``eos_token_id``) outside the vocabulary
+    ``0..vocab_size-1`` are a ``ValueError`` naming them; the model's own EOS ids outside it (it
+    can never produce them) are left out."""
     given = {k: v for k, v in explicit.items() if v is not None}
     if "max_new_tokens" in given and (isinstance(given["max_new_tokens"], bool)
                                       or not isinstance(given["max_new_tokens"], int)):
@@ -47,16 +52,23 @@ def resolve_settings(model, explicit: dict, eos_token_id, stop_token_ids):
         value = getattr(config, name, None)
         settings[name] = default if value is None else value
     total = config.max_length if config.max_new_tokens is None and config.max_length else None
+    given = set()
     if eos_token_id is FROM_MODEL:
-        stops = eos_ids(config)
+        stops = {t for t in eos_ids(config) if t < vocab_size}
     else:
         holder = copy.deepcopy(config)
         holder.eos_token_id = eos_token_id
-        stops = eos_ids(holder)
+        stops = given = eos_ids(holder)
     if stop_token_ids is not None:
         if isinstance(stop_token_ids, int):
             stop_token_ids = [stop_token_ids]
-        stops = stops | set(stop_token_ids)
+        if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a collection of ints, got {stop_token_ids!r}")
+        given = given | set(stop_token_ids)
+        stops = stops | given
+    bad = sorted(t for t in given if isinstance(t, int) and not isinstance(t, bool) and t >= vocab_size)
+    if bad:
+        raise ValueError(f"stop token ids {bad} are outside the vocabulary 0..{vocab_size - 1}")
     return settings, total, frozenset(stops)
 
 
@@ -64,8 +76,10 @@ def build_requests(lm, prompts, settings: dict, total, stops, n, seed, cache_sal
                    priority, retain_s=None) -> list[Request]:
     """One checked ``Request`` per prompt (nothing is added anywhere yet); ``total``: a length
     limit including the prompt, or None."""
-    if isinstance(prompts, torch.Tensor):
-        prompts = prompts.tolist()
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        raise TypeError(f"prompts must be a list of prompts, got a {prompts.ndim}-D "
+                        f"{type(prompts).__name__}: pass list(ids) for its rows (each row is then a "
+                        "whole prompt, padding included) or a list of token-id lists")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     run = next(_RUNS)
@@ -73,15 +87,17 @@ def build_requests(lm, prompts, settings: dict, total, stops, n, seed, cache_sal
     requests = []
     for i, p in enumerate(prompts):
         if isinstance(p, torch.Tensor):
+            if p.ndim != 1:
+                raise TypeError(f"prompt {i} must be a 1-D list of token ids, got a {p.ndim}-D tensor")
             p = p.tolist()
-        if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple)):
+        if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple, array)):
             raise TypeError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
         if not p:
             raise ValueError(f"prompt {i} is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if type(p) is not array and not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             raise TypeError(f"prompt {i} must hold ints")
-        bad = next((t for t in p if not 0 <= t < lm.vocab_size), None)
-        if bad is not None:
+        if min(p) < 0 or max(p) >= lm.vocab_size:
+            bad = next(t for t in p if not 0 <= t < lm.vocab_size)
             raise ValueError(f"prompt {i}: token id {bad} is outside the vocabulary "
                              f"0..{lm.vocab_size - 1}")
         own = params
@@ -90,7 +106,7 @@ def build_requests(lm, prompts, settings: dict, total, stops, n, seed, cache_sal
                 raise ValueError(f"prompt {i} has {len(p)} tokens but the generation config's "
                                  f"max_length (prompt included) is {total}: pass max_new_tokens")
             own = SamplingParams(**{**params.__dict__, "max_new_tokens": total - len(p)})
-        requests.append(Request(("batch", run, i), tuple(p), own, cache_salt, priority,
+        requests.append(Request(("batch", run, i), p, own, cache_salt, priority,
                                 retain_s=retain_s))
     return requests
 

@@ -1,13 +1,22 @@
 """transformers ``Cache`` objects that write K/V into the paged pool and let radixcache attend.
 
-A model's attention layer calls ``cache.update(key, value, layer)`` and then its attention function
-with what ``update`` returned. A ``PlannedCache`` writes the new K/V into the pool through the
-forward's ``StepPlan`` and returns its inputs unchanged; radixcache's registered attention function
-(``attention.py``) recognises exactly those tensors (``take_planned``) and attends over the block
-tables through the backend. Anything else (a forward with another cache, or none) is served by the
-model's own attention and masks.
+A model's attention layer calls ``cache.update(key, value, layer)`` and then its attention function.
+A ``PlannedCache`` returns its inputs unchanged and marks the layer pending in this thread;
+radixcache's registered attention function (``attention.py``) recognises the attention call that
+follows (``take_planned``), writes the K/V it is handed (the new tokens' K/V as the layer attends
+over them: for MLA models the per-head K and V expanded from the latent the model cached) into the
+pool through the forward's ``StepPlan``, and attends over the block tables through the backend.
+Anything else (a forward with another cache, or none) is served by the model's own attention and
+masks.
 
-- ``StepCache``: one engine step, its plan fixed in advance (a ``[1, T]`` packed forward).
+Models whose attention layers do not call transformers' attention functions (Falcon computes SDPA
+itself) never reach the hook: their caches run *dense* (``hooked(model)`` is False). ``update``
+then writes the new K/V and returns each row's whole K/V gathered from the pool, as a
+``DynamicCache`` would, the sizes reported to the mask builders carry no marker, and the model's own
+attention and masks compute the layer.
+
+- ``StepCache``: one engine step, its plan fixed in advance (a ``[1, T]`` packed forward; dense: a
+  single segment, ``[1, q_len]``).
 - ``PagedCache``: the cache ``lm.generate`` hands to transformers' own ``generate``: a batch of
   rows, each with a ``Lease``. At layer 0 of every forward it commits what the previous forward
   computed, grows each row's blocks to the new length (lazily: blocks grow as tokens arrive) and
@@ -25,7 +34,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from radixcache.attention.plan import Segment, StepPlan, device_tensor
 from radixcache.errors import CacheError, OutOfBlocks
 
-_PENDING = threading.local()  # (key tensor returned by update, cache, layer) of this thread
+PREFIX = "radixcache_paged_"  # the attention implementation ``attention.install`` switches to
+_PENDING = threading.local()  # (cache, plan, layer, batch, new columns) of this thread's last update
+
+
+def hooked(model) -> bool:
+    """Whether ``model``'s attention layers reach radixcache's attention hook (``attention.install``
+    switched it; models that compute attention themselves refuse the switch)."""
+    return model.config._attn_implementation.startswith(PREFIX)
+
+
+def forget_pending() -> None:
+    """Drop this thread's pending ``update`` (after a forward, even one that failed half way)."""
+    _PENDING.entry = None
 
 
 class PagedOffset(int):
@@ -36,14 +57,19 @@ class PagedOffset(int):
 PAGED_OFFSET = PagedOffset(0)
 
 
-def take_planned(key: torch.Tensor):
-    """``(cache, layer)`` when ``key`` is what a ``PlannedCache.update`` just returned in this
-    thread (then forgotten), else None."""
+def take_planned(query: torch.Tensor, key: torch.Tensor):
+    """``(cache, layer)`` when a ``PlannedCache.update`` of this thread is pending, its forward
+    still runs on the same plan, and ``query`` and ``key`` (``[batch, heads, n, dim]``) are of its
+    forward's shape (then forgotten), else None."""
     entry = getattr(_PENDING, "entry", None)
-    if entry is None or entry[0] is not key:
+    if entry is None:
+        return None
+    cache, plan, layer, batch, n = entry
+    if cache.plan is not plan or query.dim() != 4 or key.dim() != 4 or query.shape[0] != batch or key.shape[0] != batch \
+            or query.shape[2] != n or key.shape[2] != n:
         return None
     _PENDING.entry = None
-    return entry[1], entry[2]
+    return cache, layer
 
 
 class _Layer(CacheLayerMixin):
@@ -96,11 +122,13 @@ class PlannedCache(Cache):
     """Base: ``update`` writes through ``self.plan`` (set by ``begin_forward`` at layer 0) and
     hands the plan to the attention function; ``attend`` runs the backend for one layer."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, dense: bool = False):
         super().__init__(layers=[_Layer(self) for _ in range(num_layers)])
         self.plan: StepPlan | None = None
         self.gather: torch.Tensor | None = None  # packed positions of the real query rows
         self.shape: tuple = (0, 0)  # (batch, new columns) of the forward in flight
+        self.dense = dense
+        self.history: torch.Tensor | None = None  # dense: [B, columns] pool rows of every column
 
     def begin_forward(self, batch: int, n: int) -> None:
         """Set ``plan`` (and ``gather``) for a forward of ``n`` new columns per row."""
@@ -108,27 +136,39 @@ class PlannedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs):
-        """Write this layer's new K/V (``[B, kv_heads, n, head_dim]``) into the pool; return them."""
-        batch, _, n, _ = key_states.shape
+        """Plan the forward (at layer 0) and mark ``layer_idx`` pending; return the inputs. The
+        attention call that follows writes the K/V it attends over (``write``). Dense: write them
+        now and return every row's whole K/V ``[B, kv_heads, columns, head_dim]``."""
+        batch, n = key_states.shape[0], key_states.shape[2]
         if layer_idx == 0:
             self.begin_forward(batch, n)
             self.shape = (batch, n)
         elif self.plan is None or self.shape != (batch, n):
             raise CacheError(f"layer {layer_idx} ran before layer 0 planned the forward")
-        self.plan.write(layer_idx, self._pack(key_states), self._pack(value_states))
-        _PENDING.entry = (key_states, self, layer_idx)
+        if self.dense:
+            self.write(layer_idx, key_states, value_states)
+            k, v = self.plan.pool.read(layer_idx, self.history.reshape(-1))
+            rows, cols = self.history.shape
+            return (k.view(rows, cols, *k.shape[1:]).transpose(1, 2),
+                    v.view(rows, cols, *v.shape[1:]).transpose(1, 2))
+        _PENDING.entry = (self, self.plan, layer_idx, batch, n)
         return key_states, value_states
 
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the forward's new ``key [B, kv_heads, n, head_dim]`` and ``value [..., head_dim_v]``
+        of ``layer`` into the pool (only the planned query rows)."""
+        self.plan.write(layer, self._pack(key), self._pack(value))
+
     def attend(self, layer: int, query: torch.Tensor, scale: float, sliding_window, softcap):
-        """``query [B, heads, n, head_dim]`` -> attention output ``[B, n, heads, head_dim]``."""
-        batch, heads, n, dim = query.shape
+        """``query [B, heads, n, head_dim]`` -> attention output ``[B, n, heads, head_dim_v]``."""
+        batch, heads, n, _ = query.shape
         out = self.plan.attend(layer, self._pack(query), scale, sliding_window=sliding_window,
                                softcap=softcap)
         if self.gather is not None:
-            full = out.new_zeros(batch * n, heads, dim)
+            full = out.new_zeros(batch * n, heads, out.shape[-1])
             full.index_copy_(0, self.gather, out)
             out = full
-        return out.view(batch, n, heads, dim)
+        return out.view(batch, n, heads, out.shape[-1])
 
     def _pack(self, x: torch.Tensor) -> torch.Tensor:
         batch, heads, n, dim = x.shape
@@ -139,9 +179,17 @@ class PlannedCache(Cache):
 class StepCache(PlannedCache):
     """One engine step: a packed ``[1, T]`` forward whose plan is known before it starts."""
 
-    def __init__(self, plan: StepPlan):
-        super().__init__(plan.pool.num_layers)
+    def __init__(self, plan: StepPlan, dense: bool = False):
+        super().__init__(plan.pool.num_layers, dense)
         self.step_plan = plan
+        self.past = 0
+        if dense:
+            if len(plan.segments) != 1:
+                raise CacheError(f"a dense step runs one segment, got {len(plan.segments)}")
+            seg = plan.segments[0]
+            self.past = seg.kv_len - seg.q_len
+            pos = torch.arange(seg.kv_len, device=plan.pool.device)
+            self.history = plan.pool.rows(plan.block_table, 0, pos)[None]
 
     def begin_forward(self, batch: int, n: int) -> None:
         """Use the step's plan; the forward must be the packed ``[1, num_tokens]`` it describes."""
@@ -151,11 +199,15 @@ class StepCache(PlannedCache):
         self.plan = self.step_plan
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """0: a packed step has no single past length (positions come as ``position_ids``)."""
-        return 0
+        """0: a packed step has no single past length (positions come as ``position_ids``);
+        dense: the segment's cached tokens."""
+        return self.past
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """Sizes transformers' mask builders ask for; the marked offset makes them build none."""
+        """Sizes transformers' mask builders ask for; the marked offset makes them build none
+        (dense: the segment's whole K/V, a plain offset)."""
+        if self.dense:
+            return self.past + query_length, 0
         return query_length, PAGED_OFFSET
 
 
@@ -183,7 +235,7 @@ class PagedCache(PlannedCache):
 
     def __init__(self, owner, manager, pool, backend, rows: list, start: int, tokens_seen,
                  eos: set, retain_s: float | None = None):
-        super().__init__(pool.num_layers)
+        super().__init__(pool.num_layers, dense=not hooked(owner.model))
         self.owner = owner
         self.manager = manager
         self.pool = pool
@@ -208,9 +260,10 @@ class PagedCache(PlannedCache):
         return self.length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """Sizes transformers' mask builders ask for; the marked offset makes them build none."""
+        """Sizes transformers' mask builders ask for; the marked offset makes them build none
+        (dense: a plain offset, the model's own masks cover every column)."""
         self._check()
-        return self.length + query_length, PAGED_OFFSET
+        return self.length + query_length, 0 if self.dense else PAGED_OFFSET
 
     def begin_forward(self, batch: int, n: int) -> None:
         """Commit what the previous forward computed, grow every row to ``length + n`` tokens
@@ -222,7 +275,7 @@ class PagedCache(PlannedCache):
         self.completed = previous  # the forward before this one ran every layer
         self._record(self.tokens_seen.latest, previous, n)
         end = previous + n
-        with self.manager.lock:
+        with self.manager.mutex:
             self._commit()
             try:
                 for row in self.rows:
@@ -242,6 +295,12 @@ class PagedCache(PlannedCache):
         self.length = end
         self.gather = None if identity else device_tensor(gather, self.pool.device)
         self.plan = StepPlan(self.pool, segments, self.backend)
+        if self.dense:  # column c of row r is its position c - pad (pads read the zero null block)
+            pad = device_tensor([row.pad for row in self.rows], self.pool.device)[:, None]
+            pos = torch.arange(end, device=self.pool.device)[None] - pad
+            rows = self.pool.rows(self.plan.block_table, torch.arange(batch, device=pos.device)[:, None],
+                                  pos.clamp(min=0))
+            self.history = torch.where(pos >= 0, rows, self.pool.null_row)
 
     def _record(self, sequences, previous: int, n: int) -> None:
         """Append columns ``previous .. previous+n-1`` of transformers' ``sequences`` (the tokens
@@ -270,21 +329,20 @@ class PagedCache(PlannedCache):
 
     def finish(self, sequences: torch.Tensor | None) -> None:
         """The call ended (``sequences``: transformers' output, None after an error): commit what
-        was computed, release every lease, and refuse any further use."""
+        was computed and finish every lease (``CacheManager.finish``: retained ``retain_s`` after
+        a call that returned), and refuse any further use."""
         if self.released:
             return
         if sequences is not None:
             self.completed = self.length
             if sequences.shape[1] > self.length:  # the last token, never fed: no K/V
                 self._record(sequences, self.length, sequences.shape[1] - self.length)
-        with self.manager.lock:
+        with self.manager.mutex:
             try:
                 self._commit()
-                for row in self.rows:
-                    if self.retain_s is not None and sequences is not None:
-                        self.manager.retain(row.lease, self.retain_s)
-                    self.manager.release(row.lease, row.tokens[:max(self.committable(row),
-                                                                    row.lease.computed)])
+                retain_s = self.retain_s if sequences is not None else None
+                for row in self.rows:  # what it computed up to its first EOS, then the tail
+                    self.manager.finish(row.lease, row.tokens, retain_s)
             finally:
                 for row in self.rows:
                     if row.lease is not None and not row.lease.released:
@@ -293,3 +351,4 @@ class PagedCache(PlannedCache):
                 self.released = True
                 self.plan = None
                 self.gather = None
+                self.history = None

@@ -50,6 +50,9 @@ def unsupported_call(config, mask, kwargs) -> str | None:
         return "inputs_embeds"
     if config.cache_implementation:
         return "cache_implementation set"
+    if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
+        # a cached prefix is never recomputed, so its attentions and hidden states do not exist
+        return "output_attentions / output_hidden_states"
     if (mask[:, 1:] < mask[:, :-1]).any():
         return "attention_mask is not left-padded"
     return None
@@ -68,7 +71,7 @@ def generate_paged(lm, ids: torch.Tensor, mask: torch.Tensor, config, kwargs: di
     for tokens in prompts:  # a shared store's blocks after the local match (the network, no lock)
         manager.prefetch(tokens, namespace)
     rows = []
-    with manager.lock:
+    with manager.mutex:
         try:
             for tokens, pad in zip(prompts, pads):
                 rows.append(GenerateRow(tokens, pad, manager.admit(tokens, namespace)))

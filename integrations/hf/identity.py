@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import NamedTuple
 
 import torch
 
@@ -22,14 +23,40 @@ DIGEST_BYTES = 16
 VOLATILE_CONFIG_KEYS = {"transformers_version", "torch_dtype", "dtype"}
 
 
-def kv_geometry(config) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a transformers config (text part for multimodal configs)."""
+class KVGeometry(NamedTuple):
+    """What one token's K/V is in every attention layer of a model: ``layers``, ``kv_heads`` and the
+    head dims of K (``head_dim``) and V (``head_dim_v``), as the attention layers attend over them."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    head_dim_v: int
+
+
+def kv_geometry(config) -> KVGeometry:
+    """The ``KVGeometry`` of a transformers config (text part for multimodal configs).
+
+    MLA models (a ``kv_lora_rank``: DeepSeek-V2/V3, Kimi K2) expand their compressed latent into
+    per-head K (``qk_nope_head_dim + qk_rope_head_dim``) and V (``v_head_dim``) right before
+    attention; that is what the pool holds for them. Falcon caches K/V per query head (its new
+    decoder architecture expands the KV groups before caching), or one head (multi-query).
+    ``ValueError`` for a config without attention heads (Mamba, RWKV: there is no K/V to page).
+    """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        raise ValueError(f"{type(config).__name__} has no attention heads: no K/V to page")
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return KVGeometry(int(layers), int(heads),
+                          int(config.qk_nope_head_dim + config.qk_rope_head_dim), int(config.v_head_dim))
+    if getattr(config, "model_type", None) == "falcon":
+        old_mqa = not config.new_decoder_architecture and config.multi_query
+        kv_heads = 1 if old_mqa else heads
+    else:
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return int(layers), int(kv_heads), int(head_dim)
+    return KVGeometry(int(layers), int(kv_heads), int(head_dim), int(head_dim))
 
 
 def _config_json(config) -> str:

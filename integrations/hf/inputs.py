@@ -1,4 +1,4 @@
-"""Checks of ``lm.generate``'s inputs, before anything changes (no block, no statistic)."""
+"""Checks of ``wrap()``'s and ``lm.generate``'s inputs, before anything changes (no block, no statistic)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,23 @@ from collections.abc import Mapping
 import torch
 
 LENGTH_ARGUMENTS = ("max_new_tokens", "max_length", "min_new_tokens", "min_length")
+
+
+def check_wrap_arguments(model, block_size, max_cache_tokens, attention, model_id) -> None:
+    """``TypeError``/``ValueError`` naming the first bad argument of ``wrap()``, before any work."""
+    if not hasattr(model, "generate") or not hasattr(model, "config"):
+        raise TypeError("wrap() takes a transformers PreTrainedModel with a generate() method")
+    if attention not in ("auto", "torch", "flashinfer"):
+        raise ValueError(f"attention must be 'auto', 'torch' or 'flashinfer', got {attention!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise TypeError(f"model_id must be a non-empty str or None, got {model_id!r}")
+    if max_cache_tokens is not None and (not isinstance(max_cache_tokens, int)
+                                         or isinstance(max_cache_tokens, bool)
+                                         or max_cache_tokens < block_size):
+        raise ValueError(f"max_cache_tokens must be an int >= block_size ({block_size}), "
+                         f"got {max_cache_tokens!r}")
 
 
 def split_mapping(input_ids, attention_mask):
@@ -67,6 +84,21 @@ def prompt_tensors(input_ids, attention_mask, vocab_size: int, device) -> tuple[
         if (mask.sum(dim=1) == 0).any():
             raise ValueError("empty prompt: a row of attention_mask has no 1")
     return ids.to(device), mask.to(device)
+
+
+CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")  # transformers' name, then its old ones
+
+
+def passed_caches(kwargs: dict) -> list:
+    """Take the caller's cache out of ``kwargs`` (a list: empty, or the one cache passed), under
+    transformers' name ``cache`` or its deprecated ``past_key_values`` / ``cache_params``, which
+    are accepted alike and never reach transformers (so neither warns). ``None`` means no cache.
+    ``ValueError`` when two names carry different caches."""
+    given = [kwargs.pop(name) for name in CACHE_ARGUMENTS if name in kwargs]
+    given = [cache for cache in given if cache is not None]
+    if any(cache is not given[0] for cache in given[1:]):
+        raise ValueError("pass one cache: cache= and past_key_values= name different objects")
+    return given[:1]
 
 
 def checked_generation_config(model, kwargs: dict):

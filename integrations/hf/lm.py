@@ -23,21 +23,24 @@ from radixcache.integrations.hf.attention import UnsupportedAttention, install
 from radixcache.integrations.hf.cache import PagedCache
 from radixcache.integrations.hf.generate import generate_paged, unsupported_call
 from radixcache.integrations.hf.identity import kv_geometry, model_identity
-from radixcache.integrations.hf.inputs import (checked_generation_config, checked_retain,
-                                               prompt_tensors, split_mapping)
+from radixcache.integrations.hf.inputs import (check_wrap_arguments, checked_generation_config,
+                                               checked_retain, passed_caches, prompt_tensors,
+                                               split_mapping)
 from radixcache.integrations.hf.resources import default_cache_tokens, open_store, unsupported_reason
 from radixcache.integrations.hf.runner import HFModelRunner
 from radixcache.integrations.hf.selftest import run_self_tests
 from radixcache.kv.pool import KVPool, resolve_kv_dtype
-from radixcache.manager import CacheManager
-from radixcache.sizing import kv_bytes_per_token
+from radixcache.kv_events import open_publisher
+from radixcache.lifecycle.manager import CacheManager
+from radixcache.kv.geometry import kv_bytes_per_token
 
 logger = logging.getLogger("radixcache")
 
 
 
 def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dtype=None,
-         attention: str = "auto", model_id: str | None = None, store=None) -> CachedLM:
+         attention: str = "auto", model_id: str | None = None, store=None,
+         kv_events=None) -> CachedLM:
     """Wrap a transformers causal LM so that ``generate`` reuses every cached prefix.
 
     ``max_cache_tokens`` sizes the KV pool (default: 25% of available RAM on CPU, 50% of free GPU
@@ -48,9 +51,17 @@ def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dt
     URL; ``?ttl=`` seconds) or any ``radixcache.store.BlockStore``; blocks committed here are
     written to it in the background and prompts load what it holds after the local match. A store
     that is down or slow is a miss, never an error. Call ``lm.close()`` (or use ``with``) to flush.
+    ``kv_events``: publish the tree's whole blocks as vLLM's KV events for KV-aware routers, an
+    endpoint to bind (``tcp://HOST:PORT``) or a ``radixcache.kv_events.KVEventPublisher``;
+    ``lm.close()`` closes it.
+
+    A model the paged path can never serve (non-attention layers such as Mamba's, an ALiBi bias,
+    an encoder-decoder) or that fails both self-tests gets no pool: ``lm.unsupported`` names why,
+    ``generate`` / ``generate_batch`` are plain transformers and ``new_engine`` refuses.
     """
     return CachedLM(model, block_size=block_size, max_cache_tokens=max_cache_tokens,
-                    kv_dtype=kv_dtype, attention=attention, model_id=model_id, store=store)
+                    kv_dtype=kv_dtype, attention=attention, model_id=model_id, store=store,
+                    kv_events=kv_events)
 
 
 class CachedLM:
@@ -59,47 +70,55 @@ class CachedLM:
     it. ``cache`` is the ``RadixCache``, ``manager`` its ``CacheManager``, ``model`` the model."""
 
     def __init__(self, model, *, block_size: int = 16, max_cache_tokens: int | None = None,
-                 kv_dtype=None, attention: str = "auto", model_id: str | None = None, store=None):
-        if not hasattr(model, "generate") or not hasattr(model, "config"):
-            raise TypeError("wrap() takes a transformers PreTrainedModel with a generate() method")
-        if attention not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention must be 'auto', 'torch' or 'flashinfer', got {attention!r}")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if model_id is not None and (not isinstance(model_id, str) or not model_id):
-            raise TypeError(f"model_id must be a non-empty str or None, got {model_id!r}")
+                 kv_dtype=None, attention: str = "auto", model_id: str | None = None, store=None,
+                 kv_events=None):
+        check_wrap_arguments(model, block_size, max_cache_tokens, attention, model_id)
         self.model = model
         self.block_size = block_size
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        layers, kv_heads, head_dim = kv_geometry(model.config)
         storage = resolve_kv_dtype(kv_dtype, self.dtype)
-        element = torch.empty((), dtype=storage).element_size()
-        bytes_per_token = kv_bytes_per_token(layers, kv_heads, head_dim, element)
-        if max_cache_tokens is None:
-            max_cache_tokens = default_cache_tokens(bytes_per_token, self.device)
-        if not isinstance(max_cache_tokens, int) or max_cache_tokens < block_size:
-            raise ValueError(f"max_cache_tokens must be an int >= block_size ({block_size}), "
-                             f"got {max_cache_tokens!r}")
-        num_blocks = max_cache_tokens // block_size
-        self.pool = KVPool(layers, num_blocks, block_size, kv_heads, head_dim, dtype=self.dtype,
-                           device=self.device, kv_dtype=kv_dtype)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._explicit_id = model_id is not None
         self.model_id = model_id or model_identity(model)
-        self.manager = CacheManager(num_blocks, block_size, pool=self.pool)
-        self.cache = self.manager.tree
-        self.backend = resolve_backend(attention, self.device, self.dtype, storage)
-        self.runner = HFModelRunner(model, self.vocab_size, self.device, self.model_id)
         self._warned: set = set()
         self._clamped_seen = 0
         self._engine = None
-        install(model)
-        self.unsupported = unsupported_reason(model)
-        self.engine_unsupported = self.unsupported
+        self.pool = self.backend = self.runner = None
+        # decided before any pool exists: a model no path can serve gets none
+        self.unsupported = self.engine_unsupported = unsupported_reason(model)
         if self.unsupported is None:
-            self.unsupported, self.engine_unsupported = run_self_tests(self)
-        self.manager.use_store(open_store(store, self.pool, self.model_id))  # after the probes
+            self.backend = resolve_backend(attention, self.device, self.dtype, storage)
+            self.runner = HFModelRunner(model, self.vocab_size, self.device, self.model_id)
+            install(model)
+            geometry = kv_geometry(model.config)
+
+            def make_pool(num_blocks: int) -> KVPool:
+                return KVPool(geometry.layers, num_blocks, block_size, geometry.kv_heads,
+                              geometry.head_dim, dtype=self.dtype, device=self.device,
+                              kv_dtype=kv_dtype, head_dim_v=geometry.head_dim_v)
+
+            self.unsupported, self.engine_unsupported = run_self_tests(self, make_pool)
+        if self.unsupported and self.engine_unsupported:
+            self.manager = CacheManager(1, block_size)  # the ledger (fallbacks) only: no pool
+        else:
+            if max_cache_tokens is None:
+                element = torch.empty((), dtype=storage).element_size()
+                max_cache_tokens = default_cache_tokens(kv_bytes_per_token(*geometry, element),
+                                                        self.device)
+            self.pool = make_pool(max(1, max_cache_tokens // block_size))
+            self.manager = CacheManager(self.pool.num_blocks, block_size, pool=self.pool)
+        self.cache = self.manager.tree
+        if self.pool is not None:
+            self.manager.use_store(open_store(store, self.pool, self.model_id))
+        elif store is not None:
+            logger.warning("radixcache: %s; the store is not used (plain model.generate)",
+                           self.unsupported)
+        try:
+            self.manager.use_events(open_publisher(kv_events))
+        except BaseException:  # a bad kv_events: nothing stays open
+            self.manager.close()
+            raise
 
     # ------------------------------------------------------------------ identity
     def namespace(self, cache_salt: str | None = None) -> tuple:
@@ -121,7 +140,9 @@ class CachedLM:
             new = old if self._explicit_id else model_identity(self.model)
         if new == old:
             new = f"{old}+local-{os.getpid()}-{id(self)}-{self.manager.stats()['requests']}"
-        self.model_id = self.runner.model_id = new
+        self.model_id = new
+        if self.runner is not None:
+            self.runner.model_id = new
         self.manager.clear()
 
     # ------------------------------------------------------------------ generate
@@ -134,9 +155,10 @@ class CachedLM:
         tenants. ``retain_s`` (seconds) hints that the conversation comes back within that time (an
         agent waiting on a tool): its prefix is then evicted only after every prefix without a live
         hint (soft: never refused for it, tokens never change). The ``PagedCache`` in a dict
-        output's ``past_key_values`` is released when the
-        call returns: pass it back here (the tree serves its prefix) or drop it; any other use
-        raises ``CacheError``. With ``return_dict_in_generate=True`` the output also has
+        output's ``cache`` is released when the call returns: pass it back here as ``cache=`` or
+        ``past_key_values=`` (both accepted, neither warns; the tree serves its prefix) or drop it;
+        any other use raises ``CacheError``. ``output_attentions`` / ``output_hidden_states`` in a
+        dict output fall back to plain generate (a cached prefix has none to return). With ``return_dict_in_generate=True`` the output also has
         ``cached_tokens`` (per row: prompt tokens served from the cache). Raises ``TypeError`` /
         ``ValueError`` on bad input, before anything changes, and ``OutOfBlocks`` when even
         eviction cannot supply the next block (what was computed stays cached).
@@ -147,7 +169,7 @@ class CachedLM:
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)
         input_ids, attention_mask = split_mapping(input_ids, attention_mask)
-        passed = [kwargs.pop(k) for k in ("past_key_values", "cache") if kwargs.get(k) is not None]
+        passed = passed_caches(kwargs)
         config = checked_generation_config(self.model, kwargs)
         if input_ids is None:
             return self._fallback("no input_ids (inputs_embeds only)",
@@ -182,7 +204,7 @@ class CachedLM:
             logger.warning("radixcache: %s; using plain model.generate (no prefix caching)", reason)
         own = [c for c in passed if not isinstance(c, PagedCache)]
         if own:
-            kwargs["past_key_values"] = own[0]
+            kwargs["cache"] = own[0]  # transformers' name (past_key_values is deprecated)
         with torch.no_grad():
             return self.model.generate(**kwargs)
 
@@ -195,7 +217,9 @@ class CachedLM:
                        seed: int | None = None, n: int = 1, cache_salt: str | None = None,
                        priority: int = 0, retain_s: float | None = None, stream: bool = False,
                        progress: bool = False, engine: Engine | None = None):
-        """Continuous-batching generation for ``prompts`` (lists of token ids) over shared blocks.
+        """Continuous-batching generation for ``prompts`` over shared blocks: a list of prompts,
+        each a list (or 1-D tensor) of token ids. A 2-D tensor is refused (``TypeError``): it cannot
+        say which of its ids are padding, so pass its rows as a list when none is padded.
 
         Unset settings come from ``model.generation_config`` and transformers' defaults
         (``max_new_tokens`` 20, ``top_k`` 50, ...); ``temperature`` and the other sampling knobs
@@ -216,7 +240,7 @@ class CachedLM:
         explicit = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                         top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
         settings, total, stops = batch_path.resolve_settings(self.model, explicit, eos_token_id,
-                                                             stop_token_ids)
+                                                             stop_token_ids, self.vocab_size)
         requests = batch_path.build_requests(self, prompts, settings, total, stops, n, seed,
                                              cache_salt, priority, retain_s)
         if self.engine_unsupported:
@@ -239,7 +263,11 @@ class CachedLM:
 
     def new_engine(self, **options) -> Engine:
         """A fresh ``Engine`` over this wrapper's manager, pool, backend and model; ``options``:
-        ``max_running``, ``max_step_tokens``, ``schedule`` ("lpm"/"fcfs"), ``starvation_rounds``."""
+        ``max_running``, ``max_step_tokens``, ``schedule`` ("lpm"/"fcfs"), ``starvation_rounds``.
+        ``ValueError`` naming the reason when the engine cannot serve this model (``wrap`` decided
+        it: ``engine_unsupported``); ``generate_batch`` then falls back to plain transformers."""
+        if self.engine_unsupported:
+            raise ValueError(f"this model cannot run on radixcache's engine: {self.engine_unsupported}")
         return Engine(self.manager, self.pool, self.runner, self.backend, **options)
 
     @property
@@ -261,6 +289,10 @@ class CachedLM:
         ``store_dropped_blocks``, ``store_bytes_read``, ``store_bytes_written``, ``store_errors``,
         ...), which stay readable after ``close()``."""
         out = self.manager.stats()
+        if self.pool is None:  # a model wrap() ruled out: no pool, every call is plain generate
+            out.update(free_tokens=0, capacity_tokens=0, kv_bytes_per_token=0, kv_pool_bytes=0,
+                       fp8_clamped_writes=0)
+            return out
         out["kv_bytes_per_token"] = self.pool.bytes_per_token
         out["kv_pool_bytes"] = self.pool.total_bytes
         out["fp8_clamped_writes"] = self.pool.clamped_writes()
@@ -268,8 +300,9 @@ class CachedLM:
 
     def close(self, timeout: float = 10.0) -> dict:
         """Flush the shared store: wait up to ``timeout`` s for queued block writes, then stop
-        using it; returns its final counters (``store_written_blocks``, ``store_dropped_blocks``,
-        ...; also in ``stats()`` afterwards). The cache stays usable, without the store. Idempotent."""
+        using it, and close the KV event publisher (what is queued is sent first); returns their
+        final counters (``store_written_blocks``, ``store_dropped_blocks``, ``kv_events_batches``,
+        ...; also in ``stats()`` afterwards). The cache stays usable, without them. Idempotent."""
         return self.manager.close(timeout)
 
     def __enter__(self) -> CachedLM:
@@ -287,7 +320,7 @@ class CachedLM:
         self.manager.clear()
 
     def _check_fp8_range(self) -> None:
-        if not self.pool.quantized:
+        if self.pool is None or not self.pool.quantized:
             return
         clamped = self.pool.clamped_writes()
         if clamped > self._clamped_seen:
@@ -297,6 +330,9 @@ class CachedLM:
             self._clamped_seen = clamped
 
     def __repr__(self) -> str:
+        if self.pool is None:
+            return (f"CachedLM({type(self.model).__name__}, plain model.generate: "
+                    f"{self.unsupported})")
         return (f"CachedLM({type(self.model).__name__}, block_size={self.block_size}, "
-                f"capacity_tokens={self.manager.allocator.num_blocks * self.block_size}, "
+                f"capacity_tokens={self.pool.num_blocks * self.block_size}, "
                 f"backend={self.backend.name})")

@@ -1,5 +1,5 @@
 """What ``wrap()`` sets up around a model besides the cache: the pool's default size, the shared
-store, and which models it cannot serve at all."""
+store, and which models it cannot serve at all (decided before any pool is allocated)."""
 
 from __future__ import annotations
 
@@ -26,17 +26,37 @@ def default_cache_tokens(bytes_per_token: int, device: torch.device) -> int:
     return max(1, int(available * CPU_MEMORY_SHARE // bytes_per_token))
 
 
+ALIBI_MODEL_TYPES = {"bloom", "mpt"}  # transformers' modelling adds an ALiBi bias, always
+
+
+def model_family(model) -> str:
+    """The model's family as its class names it: ``MambaForCausalLM`` -> "Mamba"."""
+    name = type(model).__name__
+    for suffix in ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "Model"):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
 def unsupported_reason(model) -> str | None:
-    """Why radixcache cannot serve ``model`` at all (None when it can): encoder-decoders and layer
-    types that keep no paged K/V (recurrent, linear attention) fall back to plain transformers."""
+    """Why radixcache cannot serve ``model`` at all (None when it can), naming the model:
+    encoder-decoders, layers that keep no paged K/V (Mamba and other state-space or recurrent
+    layers, linear attention, convolutions; hybrids that mix them with attention) and an ALiBi
+    position bias (Bloom, MPT, Falcon with ``alibi``), which the backends do not add. Decided from
+    the config alone, before any pool exists; such a model gets no pool and plain transformers."""
     config = model.config
+    family = model_family(model)
     if getattr(config, "is_encoder_decoder", False):
-        return "encoder-decoder models are not supported"
+        return f"encoder-decoder models are not supported ({family})"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(text, "layer_types", None) or []
     other = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
     if other:
-        return f"layers of type {other} keep no paged K/V"
+        return f"non-attention layers ({family}: layers of type {', '.join(other)} keep no paged K/V)"
+    if not getattr(text, "num_attention_heads", None):
+        return f"non-attention layers ({family}: the config has no attention heads)"
+    if getattr(text, "model_type", None) in ALIBI_MODEL_TYPES or getattr(text, "alibi", False) is True:
+        return f"ALiBi position bias ({family})"
     return None
 
 

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from radixcache.attention.plan import StepPlan, device_tensor
+from radixcache.attention.plan import Segment, StepPlan, device_tensor
 from radixcache.engine.runner import ModelRunner
-from radixcache.integrations.hf.cache import StepCache
+from radixcache.integrations.hf.cache import StepCache, forget_pending, hooked
 
 
 class HFModelRunner(ModelRunner):
     """Runs ``model`` (switched to radixcache's attention by ``install``) on a ``[1, T]`` packed
     step: token ids, positions and the logits rows go to the device in one copy, and a
     ``StepCache`` routes every layer's K/V and attention through the plan. ``model_id`` roots the
-    namespaces of the engine's requests (the wrapper updates it on ``invalidate``)."""
+    namespaces of the engine's requests (the wrapper updates it on ``invalidate``).
+
+    A model whose attention does not reach the hook (``cache.hooked`` is False: Falcon) attends
+    with its own masks over K/V a dense ``StepCache`` hands it, which cannot tell packed sequences
+    apart: such a step runs one forward per segment, ``[1, q_len]`` each.
+    """
 
     def __init__(self, model, vocab_size: int, device: torch.device, model_id: str):
         self.model = model
@@ -23,9 +28,29 @@ class HFModelRunner(ModelRunner):
 
     def forward(self, tokens: list, positions: list, plan: StepPlan, logits_rows: list) -> torch.Tensor:
         """See ``ModelRunner.forward``."""
+        if not hooked(self.model):
+            return self._per_segment(tokens, positions, plan, logits_rows)
+        return self._run(tokens, positions, StepCache(plan), logits_rows)
+
+    def _run(self, tokens: list, positions: list, cache: StepCache, logits_rows: list) -> torch.Tensor:
         t = len(tokens)
         packed = device_tensor(tokens + positions + logits_rows, self.device)
-        with torch.no_grad():
-            out = self.model(input_ids=packed[:t][None], position_ids=packed[t:2 * t][None],
-                             cache=StepCache(plan), use_cache=True, logits_to_keep=packed[2 * t:])
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=packed[:t][None], position_ids=packed[t:2 * t][None],
+                                 cache=cache, use_cache=True, logits_to_keep=packed[2 * t:])
+        finally:
+            forget_pending()
         return out.logits[0].float()
+
+    def _per_segment(self, tokens: list, positions: list, plan: StepPlan, logits_rows: list):
+        """One dense forward per segment; the logits rows gathered back in ``logits_rows`` order."""
+        found: dict = {}
+        for seg in plan.segments:
+            lo, hi = seg.q_start, seg.q_start + seg.q_len
+            mine = [r for r in logits_rows if lo <= r < hi]
+            one = StepPlan(plan.pool, [Segment(0, seg.q_len, seg.kv_len, seg.blocks)], plan.backend)
+            logits = self._run(tokens[lo:hi], positions[lo:hi], StepCache(one, dense=True),
+                               [r - lo for r in mine] or [seg.q_len - 1])
+            found.update(zip(mine, logits))
+        return torch.stack([found[r] for r in logits_rows])

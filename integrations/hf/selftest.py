@@ -5,14 +5,15 @@ whole block and a partial tail get cached), then on the whole prompt with two ne
 prefix, a copied tail, a prefill and a decode step), its logits against the model's own forwards.
 The engine's path: the model runner on a ``StepPlan``, a prefill chunk, the rest of the prompt,
 then one decode step, against the same forwards. Any error or disagreement disables that entry
-point's paged path (it falls back to plain transformers) with the reason. Both run in their own
-namespace; afterwards the tree is cleared, the statistics reset and the fp8 scales (if any)
-forgotten, so the first real K/V calibrates them.
+point's paged path (it falls back to plain transformers) with the reason.
+
+Both run on a ``Probe``: a throwaway manager over a pool of ``PROBE_BLOCKS`` blocks of the
+wrapper's geometry and dtypes, with the wrapper's model, runner and backend. So the wrapper's own
+pool is allocated only once a path has passed (none for a model no path can serve), and its tree,
+statistics and fp8 scales start untouched: the first real K/V calibrates them.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -20,8 +21,22 @@ from radixcache.attention.plan import Segment, StepPlan
 from radixcache.integrations.hf.attention import UnsupportedAttention
 from radixcache.integrations.hf.generate import generate_paged
 from radixcache.integrations.hf.inputs import checked_generation_config
+from radixcache.lifecycle.manager import CacheManager
 
 NAMESPACE = ("radixcache self-test",)
+PROBE_BLOCKS = 10  # generate's probe (3 blocks, a copied tail) and the engine's (3) side by side
+
+
+class Probe:
+    """What the self-test runs on: the wrapper's ``model``, ``runner``, ``backend``,
+    ``block_size``, ``vocab_size`` and ``device``, with a ``pool`` and ``manager`` of its own
+    (the attributes ``generate_paged`` reads), dropped after the test."""
+
+    def __init__(self, lm, pool):
+        self.model, self.runner, self.backend = lm.model, lm.runner, lm.backend
+        self.block_size, self.vocab_size, self.device = lm.block_size, lm.vocab_size, lm.device
+        self.pool = pool
+        self.manager = CacheManager(pool.num_blocks, lm.block_size, pool=pool)
 
 
 def tolerance(pool) -> float:
@@ -38,12 +53,11 @@ def _disagreement(want: torch.Tensor, got: torch.Tensor, pool) -> str | None:
     return None
 
 
-def run_self_tests(lm) -> tuple[str | None, str | None]:
-    """(reason generate cannot use the paged path, reason the engine cannot), None when it can."""
-    bs = lm.block_size
-    n = 2 * bs + 3
-    if lm.manager.allocator.num_blocks < 2 * (math.ceil(n / bs) + 2):
-        return None, None  # too small a pool to probe; trust the architecture check
+def run_self_tests(lm, make_pool) -> tuple[str | None, str | None]:
+    """(reason generate cannot use the paged path, reason the engine cannot), None when it can.
+    ``lm`` gives the model, runner, backend, block size, vocabulary size and device;
+    ``make_pool(num_blocks)`` builds a pool of the wrapper's geometry to probe on."""
+    n = 2 * lm.block_size + 3
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, lm.vocab_size, (1, n), generator=gen).to(lm.device)
     try:
@@ -53,13 +67,9 @@ def run_self_tests(lm) -> tuple[str | None, str | None]:
             want_next = lm.model(input_ids=torch.cat([ids, nxt], dim=1)).logits[0, -1].float()
     except Exception as e:  # noqa: BLE001 - the model itself fails: nothing to compare against
         return (f"the model's own forward failed ({type(e).__name__}: {e})",) * 2
-    try:
-        generate = _check(lambda: _generate_path(lm, ids, want, want_next), "generate")
-        engine = _check(lambda: _engine_path(lm, ids[0].tolist(), want, want_next), "engine")
-    finally:
-        lm.manager.clear()
-        lm.manager.reset_stats()
-        lm.pool.reset_calibration()
+    probe = Probe(lm, make_pool(PROBE_BLOCKS))
+    generate = _check(lambda: _generate_path(probe, ids, want, want_next), "generate")
+    engine = _check(lambda: _engine_path(probe, ids[0].tolist(), want, want_next), "engine")
     return generate, engine
 
 

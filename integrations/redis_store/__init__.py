@@ -11,7 +11,12 @@ from radixcache.store.keys import BlockFormat
 
 
 def pool_format(pool, model: str) -> BlockFormat:
-    """The ``BlockFormat`` of a ``radixcache.kv.pool.KVPool`` (read from its public fields) for ``model``."""
+    """The ``BlockFormat`` of a ``radixcache.kv.pool.KVPool`` (read from its public fields) for
+    ``model``. ``ValueError`` for a pool whose K and V head dims differ (MLA): the block format
+    has one head dim."""
+    if pool.head_dim != pool.head_dim_v:
+        raise ValueError(f"the shared KV tier stores K and V of one head dim; this pool's differ "
+                         f"(K {pool.head_dim}, V {pool.head_dim_v}: an MLA model)")
     return BlockFormat.of(model, str(pool.storage_dtype).removeprefix("torch."), pool.num_layers,
                           pool.block_size, pool.num_kv_heads, pool.head_dim)
 

@@ -1,7 +1,7 @@
 """RedisStore: the shared KV tier on Redis or Redis Cluster (a ``radixcache.store.BlockStore``).
 
-Write path: ``offer`` reserves room in a byte-bounded queue, snapshots the blocks that fit
-(``pool.export_block``) and returns; a background thread encodes them and sends, per batch, one
+Write path: ``offer`` reserves room in a byte-bounded queue, snapshots the blocks that fit (one
+batched ``pool.export_blocks``) and returns; a background thread encodes them and sends, per batch, one
 pipeline of ``EXISTS`` (to skip what the store holds) and one of ``SET key value NX [PX ttl]``.
 Read path: ``fetch`` computes the chained keys, sends one pipeline of ``GET`` (``GETEX`` with a
 TTL, which refreshes it) per chunk of blocks, verifies each value in chain order and stops at the
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Sequence
 
 from radixcache.store import STORE_COUNTERS, BlockKV, BlockSource
@@ -171,11 +172,11 @@ class RedisStore:
         n = self.writer.reserve(len(blocks), self.value_bytes) if self.link.breaker.ready() else 0
         if n:
             try:
-                snapshots = [pool.export_block(b) for b in blocks[:n]]
+                snapshots = _export(pool, list(blocks[:n]))
             except BaseException:
                 self.writer.unreserve(n * self.value_bytes)
                 raise
-            self.writer.put(WriteJob(ns, tuple(tokens[:(start + n) * bs]), start, snapshots,
+            self.writer.put(WriteJob(ns, _prefix(tokens, (start + n) * bs), start, snapshots,
                                      n * self.value_bytes))
         if n < len(blocks):
             self.counters.add(store_dropped_blocks=len(blocks) - n)
@@ -281,6 +282,18 @@ class RedisStore:
 
     def __repr__(self) -> str:
         return f"RedisStore({redact(self.link.url)}, {self.format.model}, {self.format.kv_dtype})"
+
+
+def _export(pool: BlockSource, blocks: list) -> list:
+    """Snapshots of ``blocks``: one batched ``export_blocks`` where the pool has it."""
+    batched = getattr(pool, "export_blocks", None)
+    return batched(blocks) if batched is not None else [pool.export_block(b) for b in blocks]
+
+
+def _prefix(tokens: Sequence[int], n: int):
+    """The first ``n`` tokens as an object of their own: an ``array('I')`` copy (one memcpy) of an
+    array, else a tuple."""
+    return tokens[:n] if isinstance(tokens, array) else tuple(tokens[:n])
 
 
 def _check_range(start: int, count: int) -> None:

@@ -17,10 +17,11 @@ logger = logging.getLogger("radixcache.store")
 
 
 class WriteJob(NamedTuple):
-    """Blocks ``start .. start+len(blocks)-1`` of ``tokens`` (a tuple covering them) in namespace ``ns``."""
+    """Blocks ``start .. start+len(blocks)-1`` of ``tokens`` (a tuple or ``array('I')`` of its own,
+    covering them) in namespace ``ns``."""
 
     ns: bytes
-    tokens: tuple
+    tokens: object
     start: int
     blocks: list
     nbytes: int  # bytes reserved for it in the queue

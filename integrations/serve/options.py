@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixcache.cli import positive_int
+from radixcache.args import positive_int
 from radixcache.models import DTYPE_CHOICES
 
 DEFAULT_PORT = 8000

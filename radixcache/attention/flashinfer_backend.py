@@ -8,12 +8,23 @@ run for every layer:
   ``qo`` layout (``qo_indptr`` = cumulative ``q_len`` in segment order), masking is ``causal=True``,
   which FlashInfer aligns to the end of each sequence's KV exactly like the torch reference;
 - a pure-decode step (every segment has ``q_len == 1``) goes through
-  ``BatchDecodeWithPagedKVCacheWrapper``.
+  ``BatchDecodeWithPagedKVCacheWrapper`` when K and V share a head dim.
 
-Each layer tensor of the pool, ``[num_blocks + 1, 2, block_size, kv_heads, head_dim]``, already is
-FlashInfer's single-tensor "NHD" paged KV cache (K at ``[:, 0]``, V at ``[:, 1]``); a sequence's
-pages are its first ``ceil(kv_len / block_size)`` block ids, and the last one holds
-``kv_len - (pages - 1) * block_size`` tokens.
+The pool's per-layer pair ``(keys[layer], values[layer])``, ``[num_blocks + 1, block_size,
+kv_heads, head_dim]`` and ``[..., head_dim_v]``, is FlashInfer's ``(k_cache, v_cache)`` "NHD" paged
+KV cache (``paged_kv_cache``); a sequence's pages are its first ``ceil(kv_len / block_size)`` block
+ids, and the last one holds ``kv_len - (pages - 1) * block_size`` tokens.
+
+K and V of different head dims (MLA models: K ``qk_nope + qk_rope``, V ``v_head_dim``, e.g. 192
+and 128): in flashinfer-python 0.6 the batch prefill wrappers (paged and ragged) take
+``head_dim_qk`` and ``head_dim_vo`` (the FA2 paged kernel reads K and V with independent strides;
+the FA3 paged kernel requires K and V to share page and token strides, which two tensors of
+different head dims do not). The batch decode wrapper takes one ``head_dim`` (its kernels check
+``head_dim_qk == head_dim_vo``), and the MLA wrappers (``BatchMLAPagedAttentionWrapper``,
+``BatchDecodeMlaWithPagedKVCacheWrapper``) attend over the compressed latent with absorbed
+weights, which is not what transformers computes. So such pools run every step, decodes too,
+through ``BatchPrefillWithPagedKVCacheWrapper`` with ``head_dim_vo`` and the FA2 kernels
+(``wrapper_plan``).
 
 Planning happens in two halves because FlashInfer needs, at plan time, values that
 ``StepPlan`` does not know when it calls ``plan`` (before the forward): the query head count, the
@@ -106,7 +117,8 @@ class FlashInferStepState:
 
     @property
     def decode(self) -> bool:
-        """True when the step is planned on the decode wrapper (every segment has one query token)."""
+        """True when every segment has one query token (the decode wrapper serves the step when
+        K and V also share a head dim)."""
         return self.table.decode
 
 
@@ -119,6 +131,42 @@ class _Slot:
     planned: object = None  # CUDA event recorded after the last plan (its host->device copies)
 
 
+def plan_step(step_plan: StepPlan, device: torch.device, step: int) -> FlashInferStepState:
+    """The ``FlashInferStepState`` of ``step_plan`` (its page table; the block ids on ``device``),
+    identified as step number ``step``."""
+    table = page_table(step_plan.segments, step_plan.pool.block_size)
+    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    return FlashInferStepState(
+        step=step, table=table, num_tokens=table.qo_indptr[-1],
+        qo_indptr=as_i32(table.qo_indptr), kv_indptr=as_i32(table.kv_indptr),
+        kv_indices=device_tensor(table.kv_indices, device, torch.int32),
+        last_page_len=as_i32(table.last_page_len))
+
+
+def paged_kv_cache(pool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's ``(k_cache, v_cache)`` NHD paged cache of ``layer`` (fp8 pools as e4m3)."""
+    return pool.keys[layer], pool.values[layer]
+
+
+def wrapper_plan(state: FlashInferStepState, config: tuple, pool) -> tuple[str, tuple, dict]:
+    """Which wrapper serves a step (``"decode"`` or ``"prefill"``) and the arguments of its
+    ``plan`` call, for ``config`` = (query heads, scale, window_left, soft cap, q dtype, kv dtype).
+
+    Decode wrapper: a pure-decode step whose K and V share a head dim. Prefill wrapper (causal,
+    aligned to the end of each sequence's K/V like the torch reference) for everything else, with
+    ``head_dim_vo`` = the pool's V head dim.
+    """
+    heads, scale, window_left, cap, q_dtype, kv_dtype = config
+    common = dict(pos_encoding_mode="NONE", window_left=window_left, logits_soft_cap=cap,
+                  q_data_type=q_dtype, kv_data_type=kv_dtype, o_data_type=q_dtype, sm_scale=scale)
+    if state.decode and pool.head_dim == pool.head_dim_v:
+        return "decode", (state.kv_indptr, state.kv_indices, state.last_page_len, heads,
+                          pool.num_kv_heads, pool.head_dim, pool.block_size), common
+    return "prefill", (state.qo_indptr, state.kv_indptr, state.kv_indices, state.last_page_len,
+                       heads, pool.num_kv_heads, pool.head_dim, pool.block_size), \
+        dict(common, head_dim_vo=pool.head_dim_v, causal=True)
+
+
 def _require_cuda(device: torch.device) -> None:
     if device.type != "cuda":
         raise CacheError(f"the FlashInfer backend needs a CUDA device, got {device}; "
@@ -129,7 +177,7 @@ class FlashInferBackend:
     """Paged attention with FlashInfer's batch prefill/decode wrappers (flashinfer-python 0.6.18).
 
     Same contract as ``TorchBackend``: ``attend(layer, query [T, H, d], step_plan, scale,
-    sliding_window=None, softcap=None) -> [T, H, d]``, called per layer after the step's new K/V
+    sliding_window=None, softcap=None) -> [T, H, dv]``, called per layer after the step's new K/V
     were written into the pool; query i of a segment at absolute position ``p`` sees keys
     ``0 .. p`` of its sequence (and only the last ``sliding_window`` of them when set), with
     logits ``softcap * tanh(q.k * scale / softcap)`` when ``softcap`` is set.
@@ -179,22 +227,16 @@ class FlashInferBackend:
         The FlashInfer wrappers themselves are planned by the first ``attend`` of the step that
         needs them, because their plan takes the head count, scale, window and soft cap.
         """
-        pool = step_plan.pool
-        table = page_table(step_plan.segments, pool.block_size)
-        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-        return FlashInferStepState(
-            step=next(self._steps), table=table, num_tokens=table.qo_indptr[-1],
-            qo_indptr=as_i32(table.qo_indptr), kv_indptr=as_i32(table.kv_indptr),
-            kv_indices=device_tensor(table.kv_indices, self.device, torch.int32),
-            last_page_len=as_i32(table.last_page_len))
+        return plan_step(step_plan, self.device, next(self._steps))
 
     # ------------------------------------------------------------------ per layer
     def attend(self, layer: int, query: torch.Tensor, plan: StepPlan, scale: float,
                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        """``query [T, H, d]`` (packed new tokens, segment order) -> attention output ``[T, H, d]``.
+        """``query [T, H, head_dim]`` (packed new tokens, segment order) -> attention output
+        ``[T, H, head_dim_v]``.
 
-        Attends over ``plan.pool.layers[layer]`` through the step's page table; plans the wrapper
-        for this (heads, scale, window, soft cap, dtype) on its first use in the step.
+        Attends over ``paged_kv_cache(plan.pool, layer)`` through the step's page table; plans the
+        wrapper for this (heads, scale, window, soft cap, dtype) on its first use in the step.
         """
         state = plan.backend_state
         if not isinstance(state, FlashInferStepState):
@@ -211,14 +253,12 @@ class FlashInferBackend:
             raise CacheError(f"the FlashInfer backend runs fp16/bf16 models with a pool of the same "
                              f"compute dtype; got query {query.dtype}, pool {pool.dtype}: use "
                              "attention='torch'")
-        kv = pool.layers[layer]
-        if pool.quantized and kv.dtype != torch.float8_e4m3fn:
-            kv = kv.view(torch.float8_e4m3fn)
-        if kv.dtype not in (query.dtype, torch.float8_e4m3fn):
-            raise CacheError(f"the FlashInfer backend cannot read a {kv.dtype} pool: use attention='torch'")
+        kv = paged_kv_cache(pool, layer)
+        if kv[0].dtype not in (query.dtype, torch.float8_e4m3fn):
+            raise CacheError(f"the FlashInfer backend cannot read a {kv[0].dtype} pool: use attention='torch'")
         window_left = int(sliding_window) - 1 if sliding_window else -1  # FlashInfer's is inclusive
         cap = float(softcap) if softcap else 0.0
-        config = (heads, float(scale), window_left, cap, query.dtype, kv.dtype)
+        config = (heads, float(scale), window_left, cap, query.dtype, kv[0].dtype)
         q = query.contiguous()
         with self._lock:
             wrapper = self._planned(state, config, pool)
@@ -229,37 +269,29 @@ class FlashInferBackend:
 
     def _planned(self, state: FlashInferStepState, config: tuple, pool):
         """The wrapper for ``config``, planned for ``state``'s step (planning it if it is not)."""
-        heads, scale, window_left, cap, q_dtype, kv_dtype = config
+        kind, args, kwargs = wrapper_plan(state, config, pool)
         fi = self._flashinfer
-        kind = "decode" if state.decode else "prefill"
-        slot = self._slots.get((kind, config))
+        key = (kind, config, pool.head_dim, pool.head_dim_v)
+        slot = self._slots.get(key)
         if slot is None:
-            if state.decode:
+            if kind == "decode":
+                heads, kv_dtype = config[0], config[5]
                 # Tensor cores pay off from 4 query heads per KV head (and for fp8 KV); they also
                 # reuse the prefill kernels' JIT module.
                 tensor_cores = heads // pool.num_kv_heads >= 4 or kv_dtype == torch.float8_e4m3fn
                 wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_tensor_cores=tensor_cores, backend=self.kernel_backend)
             else:
-                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", backend=self.kernel_backend)
-            slot = self._slots[(kind, config)] = _Slot(wrapper)
+                backend = self.kernel_backend if pool.head_dim == pool.head_dim_v else "fa2"
+                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend)
+            slot = self._slots[key] = _Slot(wrapper)
         if slot.step == state.step:
             return slot.wrapper
         if slot.planned is not None:
             # plan() stages its schedule in pinned host memory and copies it asynchronously: do not
             # overwrite that staging buffer before the previous plan's copy has run.
             slot.planned.synchronize()
-        common = dict(pos_encoding_mode="NONE", window_left=window_left, logits_soft_cap=cap,
-                      q_data_type=q_dtype, kv_data_type=kv_dtype, o_data_type=q_dtype,
-                      sm_scale=scale)
-        if state.decode:
-            slot.wrapper.plan(state.kv_indptr, state.kv_indices, state.last_page_len, heads,
-                              pool.num_kv_heads, pool.head_dim, pool.block_size, **common)
-        else:
-            slot.wrapper.plan(state.qo_indptr, state.kv_indptr, state.kv_indices,
-                              state.last_page_len, heads, pool.num_kv_heads, pool.head_dim,
-                              pool.block_size, causal=True, **common)
+        slot.wrapper.plan(*args, **kwargs)
         self.plan_calls += 1
         if self.device.type == "cuda":
             slot.planned = torch.cuda.Event()

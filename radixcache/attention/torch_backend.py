@@ -1,8 +1,12 @@
-"""The reference backend: gather each sequence's blocks and run SDPA with an end-aligned causal mask.
+"""The reference backend: gather each sequence's context from the pool and run SDPA with an
+end-aligned causal mask.
 
-Runs on CPU or GPU. Supports GQA/MQA, sliding windows and logit soft-capping (Gemma 2). All index
-arrays of a step are built once from Python lists (``TorchStepState``) and every layer reuses them;
-nothing reads a device value back to the host.
+Runs on CPU or GPU. Supports GQA/MQA, sliding windows, logit soft-capping (Gemma 2) and K and V of
+different head dims (MLA). A context is gathered block by block (``KVPool.read_blocks``: whole
+blocks in one copy, a partly written last block row by row), the same copy a ``DynamicCache``
+makes when it concatenates. All gather indices of a step are computed on the device from the plan's
+block table, once per step (``TorchStepState``), and every layer reuses them; nothing reads a
+device value back to the host.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixcache.attention.plan import StepPlan, device_tensor, k_rows, shared_blocks
+from radixcache.attention.plan import StepPlan, device_tensor, shared_blocks
 
 
 def causal_mask(q_pos: torch.Tensor, kv_len: torch.Tensor | int, width: int,
@@ -29,81 +33,137 @@ def causal_mask(q_pos: torch.Tensor, kv_len: torch.Tensor | int, width: int,
 
 def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                  scale: float, softcap: float | None) -> torch.Tensor:
-    """``q [B, H, n, d]``, ``k/v [B, Hkv, L, d]``, ``mask [B, 1, n, L]`` bool -> ``[B, H, n, d]``."""
+    """``q [B, H, n, d]``, ``k [B, Hkv, L, d]``, ``v [B, Hkv, L, dv]``, ``mask [B, 1, n, L]``
+    (bool, additive float in q's dtype, or None: every key visible) -> ``[B, H, n, dv]``."""
     groups = q.shape[1] // k.shape[1]
     if softcap:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
         scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=groups > 1)
 
 
-class TorchStepState:
-    """The torch backend's gather indices for one step (host lists copied once each).
+class Context:
+    """How to gather positions ``start .. start + width - 1`` of sequences ``seq`` (rows of the
+    step's block table, lengths ``lens``; ``start`` block-aligned and at most every length) as
+    ``[S, width, kv_heads, dim]``: whole blocks in one gather, each partly written last block as
+    the null block plus its written rows; positions past a sequence's end read zeros."""
 
-    ``prefills``: (segment, K rows of its whole context) of every multi-token segment. The
-    single-token (decode) segments are served together: ``decode_q`` (their packed offsets),
-    ``decode_lens`` (their KV lengths; ``max_decode_len`` on the host), ``shared_rows`` (K rows of
-    the leading whole blocks every decode segment has in common, e.g. a shared system prompt, read
-    once: cascade style) and ``decode_rows`` (``[S, width]`` K rows of each one's positions after
-    the shared part, padded with the null block). Masks are built on first use per sliding window
-    and kept for the step's other layers.
+    def __init__(self, pool, table: torch.Tensor, seq: torch.Tensor, lens: torch.Tensor,
+                 start: int, width: int):
+        bs = pool.block_size
+        device = table.device
+        s = seq.shape[0]
+        n = -(-width // bs)
+        self.shape = (s, n * bs)
+        self.width = width
+        cols = torch.arange(start // bs, start // bs + n, device=device)
+        full = (cols[None] + 1) * bs <= lens[:, None]
+        blocks = torch.where(full, table[seq[:, None], cols[None]], pool.null_block)
+        scratch = torch.full((1,), pool.null_block, device=device)  # a landing place for no-ops
+        self.blocks = torch.cat([blocks.reshape(-1), scratch])
+        offsets = torch.arange(bs, device=device)
+        tail = (lens // bs * bs)[:, None] + offsets  # each sequence's partly written block
+        written = tail < lens[:, None]
+        rows = pool.rows(table, seq[:, None], torch.where(written, tail, 0))
+        self.fill = torch.where(written, rows, pool.null_row).reshape(-1)
+        local = torch.arange(s, device=device)[:, None] * n * bs + tail - start
+        self.into = torch.where(written, local, s * n * bs + offsets).reshape(-1)
+
+    def read(self, pool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[S, width, kv_heads, head_dim]`` and values (``head_dim_v``) of ``layer``."""
+        k, v = pool.read_blocks(layer, self.blocks, self.fill, self.into)
+        s, padded = self.shape
+        return (k[:s * padded].view(s, padded, *k.shape[1:])[:, :self.width],
+                v[:s * padded].view(s, padded, *v.shape[1:])[:, :self.width])
+
+
+class TorchStepState:
+    """The torch backend's gather plans for one step (device tensors, from the plan's table).
+
+    ``prefills``: (segment, ``Context`` of its whole K/V) of every multi-token segment. The
+    single-token (decode) segments are served together: ``decode_q`` (their packed offsets; None
+    when every segment decodes, segment i at packed row i), ``decode_lens`` (their KV lengths;
+    ``max_decode_len`` on the host, and ``same_lengths``: all of them equal), ``shared_len`` (tokens of the leading whole blocks every
+    decode segment has in common, e.g. a shared system prompt, read once: cascade style), and
+    ``context(start)``, the ``Context`` of every decode from ``start`` (0: the whole context;
+    ``shared_len``: the own tails), built on first use. Masks are built on first use per sliding
+    window and dtype and kept for the step's other layers.
     """
 
     def __init__(self, step: StepPlan):
-        pool = step.pool
+        pool = self.pool = step.pool
         device = pool.device
-        bs = pool.block_size
-        prefill_segments = [s for s in step.segments if s.q_len > 1]
-        rows: list[int] = []
-        spans = []
-        for s in prefill_segments:
-            spans.append((len(rows), s.kv_len))
-            rows.extend(k_rows(s.blocks, 0, s.kv_len, bs))
-        flat = device_tensor(rows, device)
-        self.prefills = [(s, flat[start:start + n]) for s, (start, n) in zip(prefill_segments, spans)]
-        decodes = [s for s in step.segments if s.q_len == 1]
-        self.num_decodes = len(decodes)
+        self.table = table = step.block_table
+        segments = step.segments
+        self.prefills = []
+        for i, s in enumerate(segments):
+            if s.q_len > 1:
+                one = torch.full((1,), i, device=device)
+                self.prefills.append((s, Context(pool, table, one, step.kv_lens[one], 0, s.kv_len)))
+        index = [i for i, s in enumerate(segments) if s.q_len == 1]
+        decodes = [segments[i] for i in index]
+        self.num_decodes = n = len(decodes)
         self.max_decode_len = max((s.kv_len for s in decodes), default=0)
-        shared = shared_blocks(decodes, bs) if len(decodes) > 1 else 0
-        self.shared_len = shared * bs
-        width = max((s.kv_len - self.shared_len for s in decodes), default=0)
-        null = pool.null_block * 2 * bs
-        table: list[int] = k_rows(decodes[0].blocks, 0, self.shared_len, bs) if shared else []
-        for s in decodes:
-            own = k_rows(s.blocks, self.shared_len, s.kv_len, bs)
-            table.extend(own)
-            table.extend([null] * (width - len(own)))
-        packed = device_tensor([s.q_start for s in decodes] + [s.kv_len for s in decodes] + table,
-                               device)
-        n = len(decodes)
-        self.decode_q = packed[:n]
-        self.decode_lens = packed[n:2 * n]
-        self.shared_rows = packed[2 * n:2 * n + self.shared_len]
-        self.decode_rows = packed[2 * n + self.shared_len:].view(n, width)
+        self.same_lengths = all(s.kv_len == self.max_decode_len for s in decodes)
+        self.shared_len = (shared_blocks(decodes, pool.block_size) if n > 1 else 0) * pool.block_size
+        if n == len(segments):  # a pure decode step: segment i is packed row i
+            self.decode_seq = torch.arange(n, device=device)
+            self.decode_q = None
+        else:
+            packed = device_tensor(index + [s.q_start for s in decodes], device)
+            self.decode_seq, self.decode_q = packed[:n], packed[n:]
+        self.decode_lens = step.kv_lens[self.decode_seq]
+        self._contexts: dict = {}
         self._masks: dict = {}
 
-    def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor:
-        """``[1, 1, q_len, kv_len]`` mask of prefill segment ``index``."""
-        key = ("prefill", index, sliding_window)
+    def context(self, start: int) -> Context:
+        """The decodes' ``Context`` from position ``start`` (0 or ``shared_len``) to their ends."""
+        if start not in self._contexts:
+            self._contexts[start] = Context(self.pool, self.table, self.decode_seq, self.decode_lens,
+                                            start, self.max_decode_len - start)
+        return self._contexts[start]
+
+    def shared_blocks(self) -> torch.Tensor:
+        """Block ids of the shared prefix (the first decode's first ``shared_len`` tokens)."""
+        if "shared" not in self._contexts:
+            first = self.table[self.decode_seq[:1]]  # [1, max_blocks]
+            self._contexts["shared"] = first[0, :self.shared_len // self.pool.block_size]
+        return self._contexts["shared"]
+
+    def prefill_mask(self, index: int, sliding_window: int | None, dtype) -> torch.Tensor:
+        """``[1, 1, q_len, kv_len]`` mask of prefill segment ``index`` (additive in ``dtype``;
+        bool for None)."""
+        key = ("prefill", index, sliding_window, dtype)
         if key not in self._masks:
-            seg, rows = self.prefills[index]
-            pos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=rows.device)
-            self._masks[key] = causal_mask(pos, seg.kv_len, seg.kv_len, sliding_window)[None, None]
+            seg, context = self.prefills[index]
+            pos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=self.table.device)
+            mask = causal_mask(pos, seg.kv_len, seg.kv_len, sliding_window)[None, None]
+            self._masks[key] = _as(mask, dtype)
         return self._masks[key]
 
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """``[S, 1, 1, shared + width]`` mask of the decode segments over their gathered context."""
-        key = ("decode", sliding_window)
+    def decode_mask(self, sliding_window: int | None, dtype) -> torch.Tensor:
+        """``[S, 1, 1, max_decode_len]`` mask of the decode segments over their whole context
+        (additive in ``dtype``; bool for None)."""
+        key = ("decode", sliding_window, dtype)
         if key not in self._masks:
-            width = self.shared_len + self.decode_rows.shape[1]
-            self._masks[key] = causal_mask((self.decode_lens - 1)[:, None], self.decode_lens, width,
-                                           sliding_window)[:, None]
+            mask = causal_mask((self.decode_lens - 1)[:, None], self.decode_lens,
+                               self.max_decode_len, sliding_window)[:, None]
+            self._masks[key] = _as(mask, dtype)
         return self._masks[key]
+
+
+def _as(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """A boolean mask as is (``dtype`` None) or as an additive one (0 / -inf) in ``dtype``:
+    SDPA converts a boolean mask on every call; every row here has a visible key."""
+    if dtype is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 class TorchBackend:
@@ -112,44 +172,40 @@ class TorchBackend:
     name = "torch"
 
     def plan(self, step: StepPlan) -> TorchStepState:
-        """Build the step's gather indices once; every layer reuses them."""
+        """Build the step's gather plans once; every layer reuses them."""
         return TorchStepState(step)
 
     def attend(self, layer: int, query: torch.Tensor, plan: StepPlan, scale: float,
                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        """``query [T, H, d]`` (packed new tokens) -> attention output ``[T, H, d]``."""
+        """``query [T, H, head_dim]`` (packed new tokens) -> attention output ``[T, H, head_dim_v]``."""
         pool = plan.pool
         state = plan.backend_state
-        out = torch.empty_like(query)
-        for i, (seg, rows) in enumerate(state.prefills):
-            k, v = pool.read(layer, rows)
+        if state.decode_q is None:  # a pure decode step: no scatter into a packed output
+            return self._decode(layer, query, pool, state, scale, sliding_window, softcap)
+        out = query.new_empty(*query.shape[:2], pool.head_dim_v)
+        mask_dtype = None if softcap else query.dtype
+        for i, (seg, context) in enumerate(state.prefills):
+            k, v = context.read(pool, layer)
             q = query[seg.q_start:seg.q_start + seg.q_len]
-            o = attend_dense(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                             v.transpose(0, 1)[None], state.prefill_mask(i, sliding_window), scale,
-                             softcap)
+            o = attend_dense(q.transpose(0, 1)[None], k.transpose(1, 2), v.transpose(1, 2),
+                             state.prefill_mask(i, sliding_window, mask_dtype), scale, softcap)
             out[seg.q_start:seg.q_start + seg.q_len] = o[0].transpose(0, 1)
         if state.num_decodes:
-            q = query[state.decode_q]
-            window_cuts = bool(sliding_window) and sliding_window < state.max_decode_len
-            if state.shared_len and not softcap and not window_cuts:
-                out[state.decode_q] = self._cascade_decode(layer, q, pool, state, scale)
-            else:
-                out[state.decode_q] = self._dense_decode(layer, q, pool, state, scale,
-                                                         sliding_window, softcap)
+            out[state.decode_q] = self._decode(layer, query[state.decode_q], pool, state, scale,
+                                               sliding_window, softcap)
         return out
 
-    @staticmethod
-    def _dense_decode(layer, q, pool, state, scale, sliding_window, softcap) -> torch.Tensor:
-        """Every decode query against its whole context, gathered per sequence."""
-        s, width = state.decode_rows.shape
-        rows = state.decode_rows
-        if state.shared_len:
-            rows = torch.cat([state.shared_rows.expand(s, -1), rows], dim=1)
-            width += state.shared_len
-        k, v = pool.read(layer, rows.reshape(-1))
-        k = k.view(s, width, *k.shape[1:]).transpose(1, 2)
-        v = v.view(s, width, *v.shape[1:]).transpose(1, 2)
-        return attend_dense(q[:, :, None], k, v, state.decode_mask(sliding_window), scale,
+    def _decode(self, layer, q, pool, state, scale, sliding_window, softcap) -> torch.Tensor:
+        """The decode queries ``q [S, H, d]`` (cascade over a shared prefix when it applies)."""
+        window_cuts = bool(sliding_window) and sliding_window < state.max_decode_len
+        if state.shared_len and not softcap and not window_cuts:
+            return self._cascade_decode(layer, q, pool, state, scale)
+        k, v = state.context(0).read(pool, layer)  # [S, L, Hkv, d]
+        if state.same_lengths and not window_cuts:
+            mask = None  # every sequence sees its whole context, and none is padded
+        else:
+            mask = state.decode_mask(sliding_window, None if softcap else q.dtype)
+        return attend_dense(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), mask, scale,
                             softcap)[:, :, 0]
 
     @staticmethod
@@ -158,24 +214,26 @@ class TorchBackend:
         one's own tail, merged by log-sum-exp: the K/V of a shared system prompt is read once per
         layer instead of once per sequence."""
         s, heads, dim = q.shape
-        kv_heads = pool.num_kv_heads
+        kv_heads, dim_v = pool.num_kv_heads, pool.head_dim_v
         groups = heads // kv_heads
         # shared part: all S*groups queries of a KV head in one matmul
-        kp, vp = pool.read(layer, state.shared_rows)  # [Lp, Hkv, d]
+        none = torch.zeros(0, dtype=torch.long, device=q.device)
+        kp, vp = pool.read_blocks(layer, state.shared_blocks(), none, none)  # [Lp, Hkv, d|dv]
         qg = q.float().view(s, kv_heads, groups, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
         out_p, lse_p = _softmax_attend(qg, kp.float().transpose(0, 1), vp.float().transpose(0, 1),
                                        None, scale)
-        out_p = out_p.view(kv_heads, s, groups, dim).permute(1, 0, 2, 3).reshape(s, heads, dim)
+        out_p = out_p.view(kv_heads, s, groups, dim_v).permute(1, 0, 2, 3).reshape(s, heads, dim_v)
         lse_p = lse_p.view(kv_heads, s, groups).permute(1, 0, 2).reshape(s, heads)
         # own tails
-        width = state.decode_rows.shape[1]
-        k, v = pool.read(layer, state.decode_rows.reshape(-1))
-        k = k.float().view(s, width, kv_heads, dim).transpose(1, 2)  # [S, Hkv, W, d]
-        v = v.float().view(s, width, kv_heads, dim).transpose(1, 2)
-        valid = torch.arange(width, device=q.device) < (state.decode_lens - state.shared_len)[:, None]
+        context = state.context(state.shared_len)
+        k, v = context.read(pool, layer)
+        k = k.float().transpose(1, 2)  # [S, Hkv, W, d]
+        v = v.float().transpose(1, 2)
+        valid = torch.arange(context.width, device=q.device) < \
+            (state.decode_lens - state.shared_len)[:, None]
         qs = q.float().view(s, kv_heads, groups, dim)
         out_s, lse_s = _softmax_attend(qs, k, v, valid[:, None, None, :], scale)
-        out_s, lse_s = out_s.reshape(s, heads, dim), lse_s.reshape(s, heads)
+        out_s, lse_s = out_s.reshape(s, heads, dim_v), lse_s.reshape(s, heads)
         lse = torch.logaddexp(lse_p, lse_s)
         merged = out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
         return merged.to(q.dtype)

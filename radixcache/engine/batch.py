@@ -122,7 +122,7 @@ class BatchRun:
     def _wait_for_blocks(self) -> None:
         """Nothing could run: others hold the blocks this batch needs. Raise when nobody does."""
         manager = self.engine.manager
-        with manager.lock:
+        with manager.mutex:
             if manager.freeable_blocks() >= manager.allocator.num_blocks:
                 self.close()
                 raise OutOfBlocks("no waiting prompt of this batch fits in the KV pool even when "

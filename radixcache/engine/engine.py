@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from collections import deque
 
 import torch
@@ -66,11 +67,13 @@ class Engine:
         """True while any added request has not delivered its final events."""
         return bool(self._known or self._pending)
 
-    def check(self, request: Request) -> list:
-        """Validate ``request`` for this engine without adding it; return its prompt as a list.
+    def check(self, request: Request) -> array:
+        """Validate ``request`` for this engine without adding it; return its prompt as a new
+        ``array('I')``.
 
-        Raises ``TypeError``/``ValueError`` for a bad request or token id or a request id already
-        in use, and ``OutOfBlocks`` for a prompt the whole pool cannot hold.
+        Raises ``TypeError``/``ValueError`` for a bad request, a prompt or stop token id outside
+        the vocabulary or a request id already in use, and ``OutOfBlocks`` for a prompt the whole
+        pool cannot hold.
         """
         tokens = checked_prompt(request, self.runner.vocab_size, self.manager.allocator.num_blocks,
                                 self.manager.block_size)
@@ -103,7 +106,7 @@ class Engine:
             self._inbox.append(("abort", request_id, sample))
         if self._busy.acquire(blocking=False):
             try:
-                with self.manager.lock:
+                with self.manager.mutex:
                     self._pending.extend(self._drain())
             finally:
                 self._busy.release()
@@ -117,7 +120,7 @@ class Engine:
         and the engine stays usable; ``KeyboardInterrupt`` and the like do the same, then propagate.
         """
         with self._busy:
-            with self.manager.lock:
+            with self.manager.mutex:
                 events, self._pending = self._pending, []
                 events.extend(self._drain())
                 sched = self.scheduler
@@ -132,7 +135,7 @@ class Engine:
                 self.metrics.peak_used_blocks = max(self.metrics.peak_used_blocks, used)
             if batch:
                 logits = self._forward(batch, events)
-                with self.manager.lock:
+                with self.manager.mutex:
                     if logits is not None:
                         events.extend(self._advance(batch, logits))
                     events.extend(self._drain())
@@ -161,7 +164,7 @@ class Engine:
             else:
                 events.extend(self._abort(item[1], item[2]))
 
-    def _enqueue(self, live: Live, tokens: list) -> None:
+    def _enqueue(self, live: Live, tokens: array) -> None:
         request = live.request
         leader = Sequence(live, 0, tokens, len(tokens), self._arrivals, fork=request.num_samples)
         self._arrivals += 1
@@ -217,7 +220,7 @@ class Engine:
             logits = self.runner.forward(tokens, positions, plan, keep or [0])
         except BaseException as e:
             self.last_error = e
-            with self.manager.lock:
+            with self.manager.mutex:
                 events.extend(self._fail({seq.request.request_id for seq, _ in batch}, e))
             if not isinstance(e, Exception):
                 raise
@@ -292,7 +295,7 @@ class Engine:
         for i in range(1, leader.fork):
             if i in leader.live.finished:
                 continue  # aborted before it existed
-            child = Sequence(leader.live, i, list(leader.tokens), leader.prompt_len, leader.arrival)
+            child = Sequence(leader.live, i, leader.tokens[:], leader.prompt_len, leader.arrival)
             self._init_sampling(child)
             children.append(child)
             self._samples[leader.request.request_id].append(child)

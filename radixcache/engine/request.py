@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import math
 import operator
+from array import array
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from radixcache.errors import OutOfBlocks
-from radixcache.tree import as_token_tuple
+from radixcache.tokens import token_array
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -113,7 +114,9 @@ class Request:
     """One prompt for the engine.
 
     ``request_id`` (any hashable, unique among the engine's live requests) names it in events and
-    in ``Engine.abort``. ``prompt``: the token ids (non-empty). ``cache_salt``: requests with
+    in ``Engine.abort``. ``prompt``: the token ids (non-empty; a list, tuple, ``array`` or 1-D
+    integer tensor), kept as an ``array('I')`` of its own: packed and checked once here, then
+    carried through the engine and the cache as it is. ``cache_salt``: requests with
     different salts never share a block. ``priority``: lower runs first (ties: longest cached
     prefix first, then arrival). ``prefill_only``: compute the prompt's K/V into the cache and
     sample nothing (one ``"prefilled"`` event); it runs behind every normal request unless a normal
@@ -124,7 +127,7 @@ class Request:
     """
 
     request_id: Hashable
-    prompt: tuple
+    prompt: array
     params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
     priority: int = 0
@@ -141,6 +144,8 @@ class Request:
             raise TypeError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
         if len(prompt) == 0:
             raise ValueError("empty prompt: a request needs at least one token")
+        packed = token_array(prompt)
+        object.__setattr__(self, "prompt", array("I", packed) if packed is prompt else packed)
         if not isinstance(self.params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(self.params).__name__}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
@@ -179,15 +184,21 @@ class Event(NamedTuple):
     error: str | None = None
 
 
-def checked_prompt(request: Request, vocab_size: int, num_blocks: int, block_size: int) -> list:
-    """``request``'s prompt as a list of ids, or ``TypeError``/``ValueError`` (not a ``Request``,
-    an id outside the vocabulary) or ``OutOfBlocks`` (a prompt a pool of ``num_blocks`` blocks
-    cannot hold, with a block to spare for its first new token)."""
+def checked_prompt(request: Request, vocab_size: int, num_blocks: int, block_size: int) -> array:
+    """``request``'s prompt as a new ``array('I')`` (the sequence the engine extends), or
+    ``TypeError``/``ValueError`` (not a ``Request``; a prompt or stop token id outside the
+    vocabulary, each named) or ``OutOfBlocks`` (a prompt whose K/V a pool of ``num_blocks`` blocks
+    cannot hold even when empty; one that fits is served, and a sample that outgrows the pool
+    ends with ``"length"``)."""
     if not isinstance(request, Request):
         raise TypeError(f"expected a radixcache.engine.Request, got {type(request).__name__}")
-    tokens = list(as_token_tuple(request.prompt))
+    tokens = array("I", request.prompt)
     check_vocabulary(tokens, vocab_size, f"request {request.request_id!r}")
-    if math.ceil(len(tokens) / block_size) + 1 > num_blocks:
+    stops = sorted(t for t in request.params.stop_token_ids if t >= vocab_size)
+    if stops:
+        raise ValueError(f"request {request.request_id!r}: stop token ids {stops} are outside the "
+                         f"vocabulary 0..{vocab_size - 1}")
+    if math.ceil(len(tokens) / block_size) > num_blocks:
         raise OutOfBlocks(f"request {request.request_id!r}: a prompt of {len(tokens)} tokens does not "
                           f"fit a pool of {num_blocks} blocks of {block_size}: raise max_cache_tokens")
     return tokens
@@ -196,6 +207,6 @@ def checked_prompt(request: Request, vocab_size: int, num_blocks: int, block_siz
 def check_vocabulary(tokens, vocab_size: int, what: str = "prompt") -> None:
     """``ValueError`` naming the first id of ``tokens`` (non-negative ints) outside the vocabulary
     ``0..vocab_size-1``, prefixed with ``what``; the one vocabulary check of a request's prompt."""
-    bad = next((t for t in tokens if t >= vocab_size), None)
-    if bad is not None:
+    if len(tokens) and max(tokens) >= vocab_size:
+        bad = next(t for t in tokens if t >= vocab_size)
         raise ValueError(f"{what}: token id {bad} is outside the vocabulary 0..{vocab_size - 1}")

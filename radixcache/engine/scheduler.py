@@ -1,7 +1,7 @@
 """Which sequences run in the next step, and what they hold: admission, growth and preemption.
 
-Every cache operation goes through the ``CacheManager`` (admit / grow / commit / fork / release),
-with its lock held by the caller (``Engine.step``).
+Every cache operation goes through the ``CacheManager`` (admit / grow / commit / fork / finish /
+release), with its lock held by the caller (``Engine.step``).
 
 - Admission (waiting -> running): by effective priority (lower first; prefill-only requests last
   unless promoted), then a request passed over ``starvation_rounds`` times, then the longest cached
@@ -21,15 +21,23 @@ with its lock held by the caller (``Engine.step``).
 
 from __future__ import annotations
 
-import math
+from bisect import bisect_right
+from heapq import heapify, heappop, heappush
 
+from radixcache.engine.prompt_index import PromptIndex
 from radixcache.engine.sequence import Sequence
-from radixcache.tokens import common_prefix
 from radixcache.errors import OutOfBlocks
 
 
 class Scheduler:
-    """The waiting and running sequences of one engine and the rules above."""
+    """The waiting and running sequences of one engine and the rules above.
+
+    Per step it costs O(W + R) list, heap and dictionary operations and a tree ``peek`` only for
+    the waiting sequences that the tree's changes since their last peek may have changed, and that
+    the admission reaches (see ``_in_order``); nothing at all for admission while every slot is
+    taken. Which prompts being computed share blocks with a waiting one is looked up in
+    ``PromptIndex``es, never compared pairwise.
+    """
 
     def __init__(self, manager, *, max_running: int, max_step_tokens: int, schedule: str,
                  starvation_rounds: int):
@@ -48,34 +56,33 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._admissions = 0
+        self._prefilling = PromptIndex(self.block_size)  # running sequences still in their prompt
+        self._queued = PromptIndex(self.block_size)  # prefill-only sequences still waiting
+        self._synced = -1  # the tree epoch the waiting sequences' peeks were last carried to
 
     # ------------------------------------------------------------------ admission
     def admit(self) -> list[Sequence]:
         """Move what fits from waiting to running; return the admitted sequences."""
         if not self.waiting:
             return []
-        tree = self.manager.tree
-        starved = lambda s: s.passed_over >= self.starvation_rounds  # noqa: E731
-        if self.schedule == "lpm":
-            cached = {id(s): tree.peek(s.tokens[:-1], s.live.namespace) for s in self.waiting}
-            key = lambda s: (s.live.priority, not starved(s), -cached[id(s)], s.arrival)  # noqa: E731
-        else:
-            key = lambda s: (s.live.priority, not starved(s), s.arrival)  # noqa: E731
-        prefilling = [s for s in self.running if s.in_prompt]
-        queued_prefills = self._promote_queued_prefills()
+        if len(self.running) >= self.max_running:  # nobody can be admitted: nothing to rank
+            for seq in self.waiting:
+                seq.passed_over += 1
+            return []
+        self._prefilling.sync(s for s in self.running if s.in_prompt)
+        self._promote_queued_prefills()
         admitted = []
-        for seq in sorted(self.waiting, key=key):
+        for seq in self._in_order():
             if len(self.running) >= self.max_running:
                 break
-            blocker = self._pending_prefill(seq, prefilling)
+            blocker = self._pending_prefill(seq, self._prefilling)
             if blocker is None and not seq.request.prefill_only:
-                blocker = self._pending_prefill(seq, [p for p in queued_prefills if p in self.waiting])
+                blocker = self._pending_prefill(seq, self._queued)
             if blocker is not None:
                 if blocker.request.prefill_only:
                     blocker.live.boost = min(blocker.live.boost, seq.live.priority)
                 continue
-            have = cached[id(seq)] if self.schedule == "lpm" else tree.peek(seq.tokens[:-1], seq.live.namespace)
-            if self._surely_too_big(seq, have):
+            if self._surely_too_big(seq, self.cached(seq)):
                 break  # decided without admitting: no split, eviction, tail copy or count
             lease = self.manager.admit(seq.tokens, seq.live.namespace, count=False)
             first = min(len(seq.tokens) - lease.computed, self.max_step_tokens)
@@ -91,56 +98,122 @@ class Scheduler:
             seq.resumed = False
             seq.admitted = self._admissions
             self._admissions += 1
-            self.waiting.remove(seq)
             self.running.append(seq)
-            prefilling.append(seq)
+            self._queued.discard(seq)
+            if seq.in_prompt:
+                self._prefilling.add(seq)
             admitted.append(seq)
+        if admitted:
+            gone = set(admitted)
+            self.waiting[:] = [s for s in self.waiting if s not in gone]
         for seq in self.waiting:
             seq.passed_over += 1
         return admitted
 
+    def _in_order(self):
+        """The waiting sequences in admission order (module docstring), lazily. For ``"lpm"``
+        they are ranked by a bound on their cached prefix that only the tree's evictions can have
+        made too high; the first in line is peeked exactly and goes back in line if it now ranks
+        lower, so the order is exact while only the sequences it reaches are peeked."""
+        rounds = self.starvation_rounds
+        if self.schedule == "fcfs":
+            yield from sorted(self.waiting, key=lambda s: (s.live.priority, s.passed_over < rounds,
+                                                           s.arrival))
+            return
+        self._sync_peeks()
+        heap = [((s.live.priority, s.passed_over < rounds, -self._bound(s), s.arrival, i), s)
+                for i, s in enumerate(self.waiting)]
+        heapify(heap)
+        while heap:
+            key, seq = heappop(heap)
+            exact = -self.cached(seq)
+            if exact != key[2]:
+                key = key[:2] + (exact,) + key[3:]
+                if heap and key > heap[0][0]:
+                    heappush(heap, (key, seq))
+                    continue
+            yield seq
+
+    def cached(self, seq: Sequence) -> int:
+        """Tokens of ``seq.tokens[:-1]`` the tree holds now (``peek``): peeked again only when
+        the tree evicted something since, or inserted something that could extend it (see
+        ``_sync_peeks``)."""
+        tree, changes = self.manager.tree, self.manager.tree.changes
+        exact_at, synced, n, have, _ = seq.peeked
+        if synced == changes.epoch and exact_at >= changes.evicted_epoch and n == len(seq.tokens):
+            return have
+        tokens, bs = seq.tokens, self.block_size
+        have = tree.peek(tokens[:-1], seq.live.namespace)
+        first_missing = tokens[have:have + bs].tobytes()
+        seq.peeked = (changes.epoch, changes.epoch, len(tokens), have, first_missing)
+        return have
+
+    def _bound(self, seq: Sequence) -> int:
+        """At least ``cached(seq)``: the last peek, if only evictions can have changed it since."""
+        _, synced, n, have, _ = seq.peeked
+        if synced == self._synced and n == len(seq.tokens):
+            return have
+        return self.cached(seq)
+
+    def _sync_peeks(self) -> None:
+        """Carry every waiting sequence's last peek forward to the tree's epoch unless an insert
+        since (``radixcache.tree.changes``) began with one of its blocks at or before the first one
+        the peek did not find: only those can have grown."""
+        changes = self.manager.tree.changes
+        epoch, old = changes.epoch, self._synced
+        if epoch == old:
+            return
+        self._synced = epoch
+        inserts = changes.inserted_since(old)
+        if inserts is None:
+            return  # too much happened: every sequence is peeked again when it is ranked
+        bs = self.block_size
+        at: dict[int, set] = {}  # block index -> the first new blocks inserted there
+        for j, block in inserts:
+            at.setdefault(j, set()).add(block)
+        where = sorted(at)
+        for seq in self.waiting:
+            exact_at, synced, n, have, first_missing = seq.peeked
+            if synced != old or n != len(seq.tokens):
+                continue
+            frontier = have // bs
+            reach = bisect_right(where, frontier)  # inserts at or before its first missing block
+            if reach:
+                if where[reach - 1] == frontier and first_missing in at[frontier]:
+                    continue
+                tokens = seq.tokens
+                if any(tokens[j * bs:(j + 1) * bs].tobytes() in at[j] for j in where[:reach]
+                       if j != frontier):
+                    continue
+            seq.peeked = (exact_at, epoch, n, have, first_missing)
+
     def _surely_too_big(self, seq: Sequence, have: int) -> bool:
         """Whether ``seq``'s first chunk cannot get its blocks even if ``have`` of its tokens are
         cached: a lower bound on what ``admit`` + ``grow`` would take against what the pool could
-        free now (``have`` may be stale, from before this round's admissions: a larger ``have``
-        only lowers the bound, so the answer stays safe)."""
+        free now."""
         bs = self.manager.block_size
         end = min(len(seq.tokens), have + self.max_step_tokens)
         return -(-end // bs) - have // bs > self.manager.freeable_blocks()
 
-    def _promote_queued_prefills(self) -> list[Sequence]:
-        """The prefill-only sequences still waiting; each that shares uncached whole blocks with a
-        waiting normal request is promoted to that request's priority first, so it is admitted
-        ahead of it and the normal request waits for it (and counts its blocks as cached) instead
-        of computing them itself."""
-        queued = [s for s in self.waiting if s.request.prefill_only]
-        if queued:
+    def _promote_queued_prefills(self) -> None:
+        """File the prefill-only sequences still waiting; each that shares uncached whole blocks
+        with a waiting normal request is promoted to that request's priority first, so it is
+        admitted ahead of it and the normal request waits for it (and counts its blocks as cached)
+        instead of computing them itself."""
+        self._queued.sync(s for s in self.waiting if s.request.prefill_only)
+        if self._queued:
             for seq in self.waiting:
                 if not seq.request.prefill_only:
-                    blocker = self._pending_prefill(seq, queued)
+                    blocker = self._pending_prefill(seq, self._queued)
                     if blocker is not None:
                         blocker.live.boost = min(blocker.live.boost, seq.live.priority)
-        return queued
 
-    def _pending_prefill(self, seq: Sequence, prefilling: list[Sequence]) -> Sequence | None:
-        """A running sequence whose prompt, still being computed, shares with ``seq`` at least one
-        whole block more than the tree holds now; None when there is none."""
-        if not prefilling:
+    def _pending_prefill(self, seq: Sequence, index: PromptIndex) -> Sequence | None:
+        """A member of ``index`` (a prompt still being computed) that shares with ``seq`` at least
+        one whole block more than the tree holds now; None when there is none."""
+        if not index:
             return None
-        ns = seq.live.namespace
-        have = None
-        for other in prefilling:
-            if other.live.namespace != ns:
-                continue
-            common = common_prefix(seq.tokens[:-1], other.tokens[:other.prompt_len])
-            common = common // self.block_size * self.block_size
-            if common == 0:
-                continue
-            if have is None:
-                have = self.manager.tree.peek(seq.tokens[:-1], ns)
-            if common > have:
-                return other
-        return None
+        return index.sharing(seq, self.cached(seq) // self.block_size + 1)
 
     # ------------------------------------------------------------------ one step
     def schedule_step(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
@@ -149,28 +222,37 @@ class Scheduler:
         budget = self.max_step_tokens
         batch: dict[Sequence, int] = {}
         too_long = []
-        order = sorted(self.running, key=lambda s: (s.computed < len(s.tokens) - 1, s.live.priority,
-                                                    s.admitted))
+        bs, pool_blocks = self.block_size, self.manager.allocator.num_blocks
+        order = sorted(self.running, key=lambda s: (s.lease.computed < len(s.tokens) - 1,
+                                                    s.live.priority, s.admitted))
+        preempted = set()
         for seq in order:
-            if seq not in self.running or budget <= 0:
+            if budget <= 0:
+                break
+            if seq in preempted:
                 continue
-            take = min(len(seq.tokens) - seq.computed, budget)
+            lease = seq.lease
+            take = min(len(seq.tokens) - lease.computed, budget)
             if take < 1:
                 continue
-            length = seq.computed + take
-            if math.ceil(length / self.block_size) > self.manager.allocator.num_blocks:
-                too_long.append(seq)
-                continue
-            while not self.manager.can_grow(seq.lease, length):
-                victim = max(self.running, key=lambda s: (s.live.priority, s.admitted))
-                budget += batch.pop(victim, 0)
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                self.manager.grow(seq.lease, length)
-                batch[seq] = take
-                budget -= take
+            length = lease.computed + take
+            if length > len(lease.blocks) * bs:  # needs blocks (most decodes do not)
+                if -(-length // bs) > pool_blocks:
+                    too_long.append(seq)
+                    continue
+                while not self.manager.can_grow(lease, length):
+                    victim = max(self.running, key=lambda s: (s.live.priority, s.admitted))
+                    budget += batch.pop(victim, 0)
+                    self.preempt(victim)
+                    preempted.add(victim)
+                    if victim is seq:
+                        break
+                else:
+                    self.manager.grow(lease, length)
+                if seq in preempted:
+                    continue
+            batch[seq] = take
+            budget -= take
         return list(batch.items()), too_long
 
     def preempt(self, seq: Sequence) -> None:
@@ -203,14 +285,9 @@ class Scheduler:
         """Commit what ``seq`` computed and release everything it holds (running or waiting); with
         ``retain`` and the request's ``retain_s``, its committed path is retained that long."""
         if seq.lease is not None:
-            retain_s = seq.request.retain_s
-            if retain and retain_s is not None:
-                self.manager.commit(seq.lease, seq.tokens, seq.lease.computed)
-                self.manager.retain(seq.lease, retain_s)
-            self.manager.release(seq.lease, seq.tokens)
-            seq.lease = None
-        if seq in self.running:
+            lease, seq.lease = seq.lease, None
             self.running.remove(seq)
+            self.manager.finish(lease, seq.tokens, seq.request.retain_s if retain else None)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 

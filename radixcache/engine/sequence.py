@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -35,12 +36,13 @@ class Live:
 
 @dataclass(eq=False)
 class Sequence:
-    """One sample: ``tokens`` = prompt + generated so far; ``lease`` its hold on the cache while it
-    runs (None while waiting). ``fork`` samples are forked from its first-token logits."""
+    """One sample: ``tokens`` = prompt + generated so far (an ``array('I')``, only ever appended
+    to); ``lease`` its hold on the cache while it runs (None while waiting). ``fork`` samples are
+    forked from its first-token logits."""
 
     live: Live
     sample: int
-    tokens: list
+    tokens: array
     prompt_len: int
     arrival: int
     generator: torch.Generator | None = None
@@ -50,6 +52,9 @@ class Sequence:
     admitted: int = -1
     passed_over: int = 0
     resumed: bool = False  # preempted (or forked without a block) and waiting to come back
+    peeked: tuple = (-1, -1, -1, 0, b"")  # (epoch peeked at, epoch carried to, token count,
+    #                                      cached prefix, packed tokens of the first missing block)
+    hashes: list = field(default_factory=list)  # chained hashes of the whole blocks of tokens
 
     @property
     def request(self) -> Request:
@@ -70,3 +75,14 @@ class Sequence:
     def in_prompt(self) -> bool:
         """True while part of the prompt still has to be computed."""
         return self.computed < self.prompt_len
+
+    def block_hashes(self, n: int, block_size: int) -> list:
+        """Chained hashes of the namespace and the first ``n`` whole blocks of ``tokens`` (``n`` at
+        most as many as ``tokens`` has): entry k stands for blocks 0..k together. Computed once per
+        block (tokens only ever grow, so earlier entries stay right)."""
+        hashes, tokens = self.hashes, self.tokens
+        h = hashes[-1] if hashes else hash(self.live.namespace)
+        for k in range(len(hashes), n):
+            h = hash((h, tokens[k * block_size:(k + 1) * block_size].tobytes()))
+            hashes.append(h)
+        return hashes

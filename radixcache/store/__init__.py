@@ -89,9 +89,11 @@ class BlockStore(Protocol):
         """Queue blocks ``start .. start+len(blocks)-1`` of ``tokens`` for writing; returns how many.
 
         ``blocks[j]`` is the pool block holding block ``start + j``; ``len(tokens)`` must cover
-        them. The accepted ones are snapshotted with ``pool.export_block`` before this returns, so
-        the caller may free or reuse the blocks at once; call it while holding a reference to them
-        (a computed block is never written again while referenced, so no other lock is needed).
+        them. The accepted ones are snapshotted (``pool.export_blocks`` where the pool has it, else
+        ``export_block`` each) before this returns, so the caller may free or reuse the blocks at
+        once; call it while holding a reference to them (a computed block is never written again
+        while referenced, so no other lock is needed: ``CacheManager`` calls it outside its lock,
+        with the blocks' tree node locked).
         Never waits on the network; blocks that do not fit the write queue (or arrive while the
         store is down) are dropped and counted.
         """

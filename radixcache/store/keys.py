@@ -7,7 +7,12 @@ Exact bytes (every integer little-endian; ``frame(b) = u32(len(b)) || b``):
   frame(u32 * shape) || frame(encode_namespace(namespace)))``, strings UTF-8;
 - block digest ``D_i = BLAKE2b-256(person=b"radixcache-blk", frame(u16 FORMAT_VERSION) || frame(N) ||
   frame(D_{i-1}) || frame(u32 * tokens[i*bs:(i+1)*bs]))`` with ``D_{-1} = b""``;
-- the store key of block ``i`` is ``key_prefix || hex(D_i)``.
+- the store key of block ``i`` is ``key_prefix || hex(D_i)``;
+- KV events (``radixcache.kv_events``) chain the same ``D_i`` from a tree namespace digest
+  ``N_tree = BLAKE2b-256(person=b"radixcache-evns", frame(u16 FORMAT_VERSION) ||
+  frame(u32 block_size) || frame(encode_namespace(namespace)))`` (the tree knows no pool format;
+  the namespace tuple carries the model identity and the tenant salt) and name block ``i`` by the
+  first 8 bytes of ``D_i`` read as a signed big-endian int64.
 
 So a key names the format version, the model, the KV dtype, block size and layout, every element
 of the manager's namespace (tenant salt, ...) and every token up to the end of the block. The
@@ -29,6 +34,7 @@ DIGEST_SIZE = 32
 _VERSION = struct.pack("<H", FORMAT_VERSION)
 _NS_PERSON = b"radixcache-ns"
 _BLOCK_PERSON = b"radixcache-blk"
+_TREE_NS_PERSON = b"radixcache-evns"
 
 
 def frame(data: bytes) -> bytes:
@@ -127,19 +133,35 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
         raise ValueError(f"token ids must be ints in 0..{2**32 - 1} ({e})") from None
 
 
+def tree_namespace_digest(namespace: tuple, block_size: int) -> bytes:
+    """``N_tree``: the 32-byte digest of a tree namespace tuple and the block size (no pool format)."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_TREE_NS_PERSON)
+    for part in (_VERSION, struct.pack("<I", block_size), encode_namespace(namespace)):
+        h.update(frame(part))
+    return h.digest()
+
+
+def chain_digests(ns: bytes, parent: bytes, raw: bytes, block_size: int) -> list[bytes]:
+    """The chained digests of the whole blocks of ``raw`` (``u32`` little-endian token bytes) that
+    follow the block whose digest is ``parent`` (``b""`` for the first block of a sequence) under
+    namespace digest ``ns``: ``[D_j, D_{j+1}, ...]``; a partial last block is ignored."""
+    start = hashlib.blake2b(frame(_VERSION) + frame(ns), digest_size=DIGEST_SIZE,
+                            person=_BLOCK_PERSON)
+    step = 4 * block_size
+    block_frame = struct.pack("<I", step)
+    parent_frame, digest_frame = frame(parent), struct.pack("<I", DIGEST_SIZE)
+    out = []
+    for i in range(0, len(raw) - step + 1, step):
+        h = start.copy()
+        h.update(parent_frame + block_frame + raw[i:i + step])
+        digest = h.digest()
+        out.append(digest)
+        parent_frame = digest_frame + digest
+    return out
+
+
 def block_digests(ns: bytes, tokens: Sequence[int], block_size: int, count: int) -> list[bytes]:
     """``[D_0, ..., D_{count-1}]``: the chained digests of the first ``count`` whole blocks of ``tokens``."""
     if count < 0 or count * block_size > len(tokens):
         raise ValueError(f"{count} blocks of {block_size} do not fit {len(tokens)} tokens")
-    prefix = frame(_VERSION) + frame(ns)
-    parent = b""
-    out = []
-    raw = token_bytes(tokens[:count * block_size])
-    step = 4 * block_size
-    for i in range(count):
-        h = hashlib.blake2b(prefix, digest_size=DIGEST_SIZE, person=_BLOCK_PERSON)
-        h.update(frame(parent))
-        h.update(frame(raw[i * step:(i + 1) * step]))
-        parent = h.digest()
-        out.append(parent)
-    return out
+    return chain_digests(ns, b"", token_bytes(tokens[:count * block_size]), block_size)

@@ -3,12 +3,13 @@
 Every non-root node holds a run of whole blocks: its tokens (a multiple of ``block_size``) and their
 block ids, one per ``block_size`` tokens. A node may also keep one *partial tail*: fewer than
 ``block_size`` tokens in one block (the end of a finished sequence), reused copy-on-write by the
-next match, never locked, evicted like any leaf. Nodes live in a struct of arrays (``radixcache.nodes``):
+next match, never locked, evicted like any leaf. Nodes live in a struct of arrays (``radixcache.tree.nodes``):
 tokens are packed uint32 bytes compared with one ``memcmp`` per node, children are found by the
 packed bytes of their first block, and nothing the cyclic garbage collector walks grows with nodes,
 blocks or tokens. The tree holds one reference on each block it holds; callers hold their own.
-Evictable leaves are kept in eviction order by ``radixcache.recency`` (LRU, with soft retention as
-a second tier), so eviction never scans the tree. Calls over many block ids check them with numpy.
+Evictable leaves are kept in eviction order by ``radixcache.tree.recency`` (block-level LRU, with soft
+retention as a second tier; ``RadixCache.evict`` states the rule), so eviction never scans the
+tree. Calls over many block ids check them with numpy.
 """
 
 from __future__ import annotations
@@ -19,19 +20,18 @@ import weakref
 from array import array
 from collections.abc import Sequence
 
-import numpy as np
-
-from radixcache.blocks import BlockAllocator, as_block_ids, has_duplicates
+from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError
-from radixcache.nodes import HandleTable, Node
-from radixcache.tokens import as_token_tuple, token_bytes, unpack
-from radixcache.tree_body import TreeBody
-from radixcache.tree_check import check_tree
-from radixcache.tree_results import Adopted, CacheStats, Match
+from radixcache.tree.nodes import HandleTable, Node
+from radixcache.tokens import token_bytes, unpack
+from radixcache.tree.body import TreeBody
+from radixcache.tree.check import check_tree, held_outside
+from radixcache.tree.insertion import insert_args, insert_below
+from radixcache.tree.changes import ChangeLog
+from radixcache.tree.results import Adopted, CacheStats, Match
 
 Namespace = tuple
-__all__ = ["LIVE_CACHES", "Adopted", "CacheStats", "Match", "Namespace", "Node", "RadixCache",
-           "as_token_tuple"]
+__all__ = ["LIVE_CACHES", "Namespace", "RadixCache"]
 
 # Every RadixCache alive in the process; the test suite's leak check walks it.
 LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
@@ -53,7 +53,8 @@ class RadixCache:
     ``L // block_size`` blocks. ``namespace`` tuples partition the tree completely: no node or block
     is shared between them. ``clock`` (seconds, non-decreasing) is what ``retain`` deadlines are read
     against. Each method's docstring states its contract; ``check()`` verifies the invariants
-    (``radixcache.tree_body`` states them).
+    (``radixcache.tree.body`` states them). ``changes`` (a ``radixcache.tree.changes.ChangeLog``) says
+    when the content changed and what was inserted, for callers that cache ``peek`` results.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int = 16, *, clock=time.monotonic):
@@ -67,8 +68,9 @@ class RadixCache:
         self.block_size = block_size
         self.clock = clock
         self.stats = CacheStats()
+        self.changes = ChangeLog()  # content epochs and recent inserts (for callers caching peeks)
         self.body = TreeBody(allocator, block_size, clock)
-        self.store = self.body.store      # node columns, for introspection (Node handles read it)
+        self.node_table = self.body.nodes      # node columns, for introspection (Node handles read it)
         self.recency = self.body.recency  # eviction order, for introspection
         self._handles = HandleTable()
         LIVE_CACHES.add(self)
@@ -99,6 +101,13 @@ class RadixCache:
         return self.body.cached - self.body.pinned
 
     @property
+    def whole_blocks(self) -> int:
+        """Whole blocks the tree holds (partial tails not counted): with KV events on, exactly the
+        blocks announced by ``BlockStored`` and not yet by ``BlockRemoved`` since the last
+        ``AllBlocksCleared``."""
+        return self.body.cached - self.body.tails
+
+    @property
     def cached_tokens(self) -> int:
         """Tokens covered by the blocks the tree holds."""
         return self.body.cached * self.block_size
@@ -110,14 +119,14 @@ class RadixCache:
 
     def handle_of(self, node_id: int) -> Node:
         """The handle on the live node ``node_id`` (for ``Node`` introspection)."""
-        return self._handles.get(self, node_id, self.store.gen[node_id])
+        return self._handles.get(self, node_id, self.node_table.gen[node_id])
 
     def _node_id(self, node: Node, what: str) -> int:
         if not isinstance(node, Node):
             raise TypeError(f"{what}: expected a node from match(), got {type(node).__name__}")
         if node.owner is not self:
             raise CacheError(f"{what}: node belongs to another RadixCache")
-        if not self.store.is_live(node.id, node.gen):
+        if not self.node_table.is_live(node.id, node.gen):
             raise CacheError(f"{what}: node was evicted; lock the node a match returns right away")
         if self.body.is_tail(node.id):
             raise CacheError(f"{what}: a partial tail is never locked or retained; copy its block instead")
@@ -128,16 +137,20 @@ class RadixCache:
         """Longest cached block-aligned prefix of ``tokens`` in ``namespace``, and the partial tail
         that continues it, if any (see ``Match``).
 
-        Never changes reference counts; refreshes the recency of the matched path and counts the
-        query in ``stats``. Callers that must compute at least one token pass ``tokens[:-1]``, so the
-        tail never covers the last token.
+        Never changes reference counts; counts the query in ``stats`` and refreshes the recency of
+        exactly the blocks the match uses (see ``evict``): the matched blocks (a node the match ends
+        inside is split there first) and, when ``tail_block`` is a partial tail kept at the matched
+        node, that block. A tail taken from the first block of a child is not refreshed, nor is
+        anything else of that child: the caller copies it and the tree's next eviction owes it
+        nothing. Callers that must compute at least one token pass ``tokens[:-1]``, so the tail
+        never covers the last token.
         """
         q = token_bytes(tokens)
         body = self.body
         root = body.root(_check_namespace(namespace))
         node, pos, blocks = body.walk(q, root, True)
         tail_length, tail = body.best_tail(node, q[pos:pos + body.bs4 - 4])
-        if tail >= 0:
+        if tail >= 0 and self.node_table.tail[node] == tail:
             body.touch(tail)
         elif node != root:
             body.touch(node)
@@ -146,7 +159,7 @@ class RadixCache:
         blocks = tuple(array("I", blocks))
         if tail < 0:
             return Match(pos >> 2, blocks, self.handle_of(node))
-        return Match(pos >> 2, blocks, self.handle_of(node), tail_length, unpack(self.store.blocks[tail])[0])
+        return Match(pos >> 2, blocks, self.handle_of(node), tail_length, unpack(self.node_table.blocks[tail])[0])
 
     def peek(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
         """Length of the longest cached block-aligned prefix of ``tokens``, with no side effect at all
@@ -182,52 +195,29 @@ class RadixCache:
 
     def _adopt(self, tokens, blocks, namespace, tail_block) -> tuple[int, int, bytearray]:
         """The insertion; returns (cached bytes, end node id, the tree's packed block ids)."""
-        q = token_bytes(tokens)
-        namespace = _check_namespace(namespace)
-        body = self.body
-        bs4 = body.bs4
-        nblocks = len(q) // bs4
-        ids = as_block_ids(blocks, "insert")
-        tail = None if tail_block is None else as_block_ids((tail_block,), "insert")
-        if len(ids) != nblocks:
-            raise ValueError(f"insert: {len(q) >> 2} tokens cover {nblocks} whole blocks of "
-                             f"{self.block_size}, got {len(ids)} block ids")
-        if tail is not None and len(q) == nblocks * bs4:
-            raise ValueError(f"insert: a tail_block needs a partial last block, but {len(q) >> 2} "
-                             f"tokens are whole blocks of {self.block_size}")
-        whole = q if len(q) == nblocks * bs4 else q[:nblocks * bs4]
-        node, pos, path = body.walk(whole, body.root(namespace), True)
-        adopted = ids[pos // bs4:]
-        # Where the caller passes the tree's own blocks for the cached part (as match returned
-        # them), those are valid by construction; otherwise every id is checked. The walk's splits
-        # change nothing observable, so checking after it still changes nothing on failure.
-        own_prefix = ids[:pos // bs4].tobytes() == path
-        checked = adopted if own_prefix else ids
-        if tail is not None:
-            checked = checked + tail
-        if not (own_prefix and self.allocator.adoptable(checked, body.in_tree)):
-            self._check_adopted(checked, adopted, tail)
-        if adopted:
-            node = body.add_child(node, whole[pos:], adopted)
-            self.stats.inserted_tokens += len(adopted) * self.block_size
-            path += adopted
-        if tail is not None:
-            body.keep_tail(node, q[nblocks * bs4:], tail)
-        if self.store.parent[node] >= 0:
-            body.touch(node)
-        return pos, node, path
+        args = insert_args(self.body, tokens, blocks, tail_block, "insert")
+        root = self.body.root(_check_namespace(namespace))
+        return insert_below(self.body, self.allocator, self.stats, self.changes, root, args, 0, False)
 
-    def _check_adopted(self, checked: array, adopted: array, tail: array | None) -> None:
-        """Raise the error that names why ``checked`` (the blocks an insert adopts, or every block
-        it was given, plus the tail) cannot be adopted."""
-        if has_duplicates(checked):
-            raise CacheError("insert: the same block id appears twice")
-        self.allocator.check_held(checked, "insert")
-        if tail is not None and self.body.in_tree[tail[0]]:
-            raise CacheError(f"insert: tail block {tail[0]} already belongs to the tree")
-        owned = self.body.marked(adopted)
-        if owned:
-            raise CacheError(f"insert: blocks {owned[:8]} already belong to the tree at other positions")
+    def adopt_below(self, node: Node, tokens: Sequence[int], blocks: Sequence[int],
+                    tail_block: int | None = None) -> Adopted:
+        """``adopt`` of the tokens that continue the path ending at ``node``, which the caller has
+        locked: ``tokens`` and ``blocks`` are only those after it (the path is not walked or
+        compared again), so the call costs what the new tokens do. ``cached`` counts the tokens
+        after ``node`` that the tree held already; ``blocks`` are the tree's ids for the whole
+        blocks of ``tokens``. When the caller holds the only lock on ``node``, a leaf that was
+        never retained and holds fewer than ``EXTEND_LIMIT`` blocks, the new blocks extend
+        ``node`` itself rather than a new child (so a sequence committed block by block stays a
+        few nodes deep): the returned node is then ``node``, which ends deeper now. ``CacheError``
+        for a node that is not locked; every argument is checked before anything changes."""
+        start = self._node_id(node, "adopt_below")
+        body = self.body
+        if self.node_table.lock_ref[start] == 0:
+            raise CacheError("adopt_below: lock the node first (an unlocked node may be split or evicted)")
+        args = insert_args(body, tokens, blocks, tail_block, "adopt_below")
+        pos, end, path = insert_below(body, self.allocator, self.stats, self.changes, start, args,
+                                      body.depth(start), True)
+        return Adopted(pos >> 2, self.handle_of(end), tuple(array("I", path)))
 
     # ----------------------------------------------------------------- pins and retention
     def lock(self, node: Node) -> None:
@@ -238,7 +228,7 @@ class RadixCache:
     def unlock(self, node: Node) -> None:
         """Undo one ``lock(node)``. Raises ``CacheError`` if ``node`` is not locked."""
         i = self._node_id(node, "unlock")
-        if self.store.own_locks[i] == 0:
+        if self.node_table.own_locks[i] == 0:
             raise CacheError("unlock: node is not locked (lock() was not called on it)")
         self.body.unpin(i)
 
@@ -255,38 +245,79 @@ class RadixCache:
             raise TypeError(f"retain: until must be a number of seconds on the tree's clock, got {until!r}")
         if math.isnan(until):
             raise ValueError("retain: until is NaN")
-        store, recency = self.store, self.recency
-        if until > store.until[i]:
-            store.until[i] = until
+        nodes, recency = self.node_table, self.recency
+        if until > nodes.until[i]:
+            nodes.until[i] = until
             if i in recency:
                 recency.discard(i)
                 recency.add(i)
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> int:
-        """Drop the tree's reference on up to ``num_blocks`` blocks (never more), taken from unpinned
-        leaves (partial tails included), least recently used first, a leaf's deepest blocks first;
-        leaves under live retention go only after every other one. Returns how many were dropped."""
+        """Drop the tree's reference on up to ``num_blocks`` blocks (never more): exactly the
+        ``num_blocks`` least recently used unpinned blocks (partial tails included), deepest first
+        among blocks last used together; blocks under live retention go only after every other one.
+        Returns how many were dropped.
+
+        A block's last use is the latest ``match`` or ``insert``/``adopt`` that used it: every whole
+        block a match returns or an insert covers (cached already or adopted), and the partial tail
+        a match copies from or an insert keeps (or finds there covering its tokens). Nothing else
+        (``peek``, ``lock``, ``unlock``, ``retain``, splits, evictions) changes it. A use always
+        covers the path from the namespace root, so a block is never older than the blocks below it
+        and the least recently used blocks are always at leaves."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         dropped = self.body.evict(num_blocks, self.clock)
         self.stats.evicted_blocks += dropped
+        if dropped:
+            self.changes.evicted()
         return dropped
 
     def reset(self) -> None:
-        """Drop every unpinned node (pinned paths stay) and release the tree's references on them."""
-        self.evict(self.evictable_blocks)
-        for root in list(self.body.root_ns):
-            self.body.drop_idle_root(root)
+        """Drop every unpinned node (pinned paths stay) and release the tree's references on them.
+        KV events announce it as ``AllBlocksCleared``, then ``BlockStored`` for what stays."""
+        body = self.body
+        events, body.events = body.events, None
+        try:
+            self.evict(self.evictable_blocks)
+            for root in list(body.root_ns):
+                body.drop_idle_root(root)
+        finally:
+            body.events = events
+        if events is not None:
+            events.resync(body)
+
+    # ----------------------------------------------------------------- KV events
+    def set_event_log(self, log) -> None:
+        """Tell ``log`` (a ``radixcache.kv_events.BlockEventLog``, or None to stop) of every whole
+        block that enters or leaves the tree from now on. Attaching starts the log with
+        ``AllBlocksCleared`` and ``BlockStored`` for every whole block the tree holds already. Call
+        it under the lock of whoever changes the tree (``CacheManager.use_events`` does). A log that
+        follows another tree or is closed raises ``ValueError``, with nothing changed."""
+        body = self.body
+        if log is not None and log is body.events:
+            log.resync(body)
+            return
+        if log is not None:
+            log.attach(body)
+        if body.events is not None:
+            body.events.detach(body)
+        body.events = log
+
+    def resync_events(self) -> None:
+        """Publish ``AllBlocksCleared`` and ``BlockStored`` for every whole block the tree holds (for
+        a subscriber that joined late); nothing without an event log."""
+        if self.body.events is not None:
+            self.body.events.resync(self.body)
 
     # ----------------------------------------------------------------- introspection
     def path_blocks(self, node: Node) -> tuple:
         """The blocks on the path from the namespace root down to ``node`` (no side effect)."""
         i = self._node_id(node, "path_blocks")
-        store, runs = self.store, []
+        nodes, runs = self.node_table, []
         while i >= 0:
-            runs.append(store.blocks[i])
-            i = store.parent[i]
+            runs.append(nodes.blocks[i])
+            i = nodes.parent[i]
         return tuple(array("I", b"".join(reversed(runs))))
 
     def holds(self, block: int) -> bool:
@@ -316,15 +347,7 @@ class RadixCache:
 
         Empty when every request has finished and released its references (the end-of-test check).
         """
-        problems = []
-        body = self.body
-        if body.pinned or any(self.store.lock_ref[r] for r in body.root_ns):
-            problems.append(f"{body.pinned} pinned blocks / locked roots remain")
-        counts = self.allocator.refcounts()
-        marks = np.frombuffer(body.in_tree, np.uint8)
-        for b in np.flatnonzero(counts != marks)[:11].tolist():
-            problems.append(f"block {b}: refcount {counts[b]}, tree holds {marks[b]}")
-        return problems
+        return held_outside(self.body, self.allocator)
 
     def __repr__(self) -> str:
         return (f"RadixCache(block_size={self.block_size}, cached_blocks={self.cached_blocks}, "

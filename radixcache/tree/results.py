@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from radixcache.nodes import Node
+from radixcache.tree.nodes import Node
 
 
 class Match(NamedTuple):

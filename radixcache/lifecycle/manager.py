@@ -1,55 +1,66 @@
 """CacheManager: the one request lifecycle over a radix tree of reference-counted KV blocks.
 
 Every way radixcache runs a request (``generate``, ``generate_batch``, the server) goes through the
-same five verbs, under one lock and into one ledger::
+same verbs, under one lock and into one ledger::
 
     lease = manager.admit(tokens, namespace)  # match tokens[:-1], pin the match, hold its blocks
     manager.grow(lease, n)                    # blocks for n tokens, allocated as tokens arrive
     ...                                       # the caller computes K/V of tokens[lease.computed:n]
     manager.commit(lease, tokens, n)          # whole blocks into the tree at once: others share them
+    manager.finish(lease, tokens, retain_s)   # commit, retain the path (a hint), release
     manager.release(lease, tokens)            # keep the partial tail, unpin, drop every hold
 
-``fork`` starts a parallel sample that shares a lease's whole blocks. Pure Python: the KV pool is
-handed in as an opaque object whose only method used here is ``copy_block(src, dst)`` (plus
-``export_block``/``import_block`` with a store).
+``fork`` starts a parallel sample that shares a lease's whole blocks. Tokens may be given as
+lists, tuples or ``array('I')``; the lifecycle carries them as ``array('I')`` (packed once: the
+tree takes an array with one copy). A lease keeps the tokens it committed and the node its path
+ends at, so a commit walks and packs only its new blocks: it costs O(block), whatever the
+context. Pure Python: the KV pool is handed in as an opaque object whose only method used here
+is ``copy_block(src, dst)`` (plus ``export_blocks``/``import_block`` with a store).
 
 With a shared store (a ``radixcache.store.BlockStore``, e.g. Redis), every whole block the tree
-adopts from a lease is offered to it (snapshotted and queued; the network is never waited on), and
-``prefetch(tokens)``, called before ``admit`` by whoever may wait on the network, loads the blocks
-of a prompt that follow the local match from the store into the tree.
+adopts from a lease is offered to it (copied and queued once the manager's lock is free, see
+``radixcache.lifecycle.offers``; the network is never waited on), and ``prefetch(tokens)``, called before
+``admit`` by whoever may wait on the network, loads the blocks of a prompt that follow the local
+match from the store into the tree.
+With a KV event publisher (``use_events``), every whole block that enters or leaves the tree
+is published as vLLM's KV events (``radixcache.kv_events``).
 
 Invariants (``check()`` verifies them; the property tests run it after every step):
 
 1. every block's reference count = (1 if the tree holds it) + the live leases holding it;
 2. a lease's first ``committed`` blocks are exactly the tree's blocks on the path to the node it
-   has locked, and none of its other blocks belongs to the tree. So a block a running request
-   holds is never evictable, and every evictable block is held by the tree alone: evicting k of
-   them frees exactly k (``freeable_blocks`` is exact);
+   has locked, their tokens are ``lease.tokens``, and none of its other blocks belongs to the
+   tree. So a block a running request holds is never evictable, and every evictable block is held
+   by the tree alone: evicting k of them frees exactly k;
 3. ``lease.computed`` tokens have K/V in ``lease.blocks``; nothing is ever written into a block
-   that the tree or another lease holds (partial blocks are copied, copy on write).
+   that the tree or another lease holds (partial blocks are copied, copy on write);
+4. a block offered to the store stays on a locked path until its copy is taken; every call that
+   counts or takes freeable blocks first finishes the offers, so ``freeable_blocks`` is exact.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 
 from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError, OutOfBlocks
-from radixcache.lease import Lease, Ledger
-from radixcache.manager_check import check_manager
-from radixcache.prefetch import prefetch_from_store
-from radixcache.tree import Match, Namespace, RadixCache, as_token_tuple
+from radixcache.lifecycle.lease import Lease, Ledger
+from radixcache.lifecycle.check import check_manager
+from radixcache.lifecycle.offers import Offer, OfferQueue, ReleasingLock
+from radixcache.lifecycle.prefetch import prefetch_from_store
+from radixcache.tokens import token_array
+from radixcache.tree import CacheStats, Match, Namespace, RadixCache
 
-__all__ = ["CacheManager", "Lease", "Ledger"]
+__all__ = ["CacheManager"]
 
 
 class CacheManager:
     """The single owner of an allocator, a radix tree, their lock and the statistics ledger.
 
-    Thread-safe: every method takes ``lock`` (an RLock), which callers may also hold across several
-    calls. Failed calls change nothing and leave no lock or reference behind.
+    Thread-safe: every method takes ``mutex`` (a reentrant lock, see ``radixcache.lifecycle.offers``), which
+    callers may also hold across several calls. Failed calls change nothing and leave no lock or
+    reference behind.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, pool=None,
@@ -59,11 +70,13 @@ class CacheManager:
         self.block_size = block_size
         self.pool = pool
         self.clock = clock
-        self.lock = threading.RLock()
+        self.mutex = ReleasingLock(lambda: self._offers.after_release(self))
+        self._offers = OfferQueue(self.mutex)
         self.ledger = Ledger()
         self._live: dict[int, Lease] = {}
         self._store_stats: dict = {}  # the store's counters, kept readable after close()
-        self.store = None
+        self._events_stats: dict = {}  # the KV event publisher's, likewise
+        self.store = self.events = None
         self.use_store(store)
 
     # ------------------------------------------------------------------ the lifecycle
@@ -74,15 +87,15 @@ class CacheManager:
         back, or a scheduler's tentative admission, counted by ``record_admission`` once it sticks)
         keeps it out of the ledger. Raises TypeError/ValueError for bad tokens, before any change;
         never OutOfBlocks."""
-        tokens = as_token_tuple(tokens)
+        tokens = token_array(tokens)
         if not tokens:
             raise ValueError("empty prompt: a request needs at least one token")
-        with self.lock:
+        with self.mutex:
             m = self.tree.match(tokens[:-1], namespace)
             self.tree.lock(m.node)
             self.allocator.retain(m.blocks)
             lease = Lease(namespace, list(m.blocks), m.node, m.length, len(m.blocks),
-                          committed_tokens=tokens[:m.length])
+                          tokens=tokens[:m.length])
             if m.tail_length and self.pool is not None:
                 self._copy_tail(lease, m)
             lease.cached_tokens = lease.computed
@@ -96,7 +109,7 @@ class CacheManager:
         ``prompt_tokens`` queried, ``lease.cached_tokens`` of them hit. A scheduler that admits
         tentatively (and backs out when the first chunk's blocks cannot be had) counts only the
         admission it keeps, so a prompt is never counted twice."""
-        with self.lock:
+        with self.mutex:
             self._check_live(lease, "record_admission")
             self.ledger.count_request(prompt_tokens, lease.cached_tokens)
 
@@ -104,7 +117,7 @@ class CacheManager:
         """Give ``lease`` blocks for ``length`` tokens, allocating only what is missing and evicting
         LRU leaves when short. Raises OutOfBlocks, with nothing changed, when even eviction cannot
         supply them; the message says what is needed, free, freeable and held by running requests."""
-        with self.lock:
+        with self.mutex:
             self._check_live(lease, "grow")
             need = -(-length // self.block_size) - len(lease.blocks)
             if need > 0:
@@ -112,60 +125,69 @@ class CacheManager:
 
     def can_grow(self, lease: Lease, length: int) -> bool:
         """Whether ``grow(lease, length)`` would succeed now (for schedulers deciding to preempt)."""
-        with self.lock:
+        with self.mutex:
             need = -(-length // self.block_size) - len(lease.blocks)
-            return need <= self.freeable_blocks()
+            return need <= self.allocator.num_free or need <= self.freeable_blocks()
 
     def commit(self, lease: Lease, tokens: Sequence[int], computed: int, *,
                offer: bool = True) -> None:
         """Record that ``tokens[:computed]`` have K/V in ``lease.blocks`` and put the whole blocks
-        not yet in the tree into it at once (one tree walk); the lease's lock moves down to the new
-        end of its path, and blocks another request cached first are swapped for the tree's. The
-        blocks the tree adopted are offered to the store unless ``offer`` is False (they came
-        from it)."""
-        with self.lock:
+        not yet in the tree into it at once, below the lease's node; the lease's lock moves down
+        to the new end of its path, and blocks another request cached first are swapped for the
+        tree's. Only the tokens after the committed blocks are read and packed; of the committed
+        ones, the first and the last block are compared with ``lease.tokens`` (``CacheError`` when
+        they differ: another sequence was passed), so a commit costs O(block). The blocks the tree
+        adopted are offered to the store unless ``offer`` is False (they came from it)."""
+        with self.mutex:
             self._check_live(lease, "commit")
             bs = self.block_size
             if not lease.computed <= computed <= min(len(tokens), len(lease.blocks) * bs):
                 raise CacheError(f"commit: computed={computed} must lie in {lease.computed}.."
                                  f"{min(len(tokens), len(lease.blocks) * bs)} (tokens and blocks)")
-            full = computed // bs
-            if full <= lease.committed:
+            full, done = computed // bs, lease.committed
+            if full <= done:
                 lease.computed = computed
                 return
-            whole = as_token_tuple(tokens[:full * bs])
-            done = len(lease.committed_tokens)
-            if whole[:done] != lease.committed_tokens:
-                raise CacheError("commit: the tokens differ from the ones committed before")
-            got = self.tree.adopt(whole, lease.blocks[:full], lease.namespace)
+            self._check_continues(lease, tokens)
+            new = token_array(tokens[done * bs:full * bs])
+            got = self.tree.adopt_below(lease.node, new, lease.blocks[done:full])
             lease.computed = computed
-            lease.committed_tokens = whole
-            self.tree.lock(got.node)
-            self.tree.unlock(lease.node)
-            lease.node = got.node
-            first_new = got.cached // bs  # the blocks the tree adopted from this lease
+            lease.tokens.extend(new)
+            if got.node != lease.node:
+                self.tree.lock(got.node)
+                self.tree.unlock(lease.node)
+                lease.node = got.node
+            first_new = done + got.cached // bs  # the blocks the tree adopted from this lease
             if offer and self.store is not None and first_new < full:
-                self.store.offer(lease.namespace, whole, first_new, lease.blocks[first_new:full],
-                                 self.pool)
-            for i in range(lease.committed, full):
-                mine, tree_block = lease.blocks[i], got.blocks[i]
+                self.tree.lock(got.node)  # dropped once the store has its copies
+                self._offers.add(Offer(self.store, lease.namespace, lease.tokens, first_new,
+                                       lease.blocks[first_new:full], got.node))
+            for i in range(done, first_new):
+                mine, tree_block = lease.blocks[i], got.blocks[i - done]
                 if mine != tree_block:  # another request cached this block first
                     self.allocator.retain([tree_block])
                     self.allocator.release([mine])
                     lease.blocks[i] = tree_block
             lease.committed = full
 
+    def _check_continues(self, lease: Lease, tokens: Sequence[int]) -> None:
+        """``CacheError`` unless ``tokens`` start with the first and the last committed block."""
+        bs, done = self.block_size, lease.committed
+        for lo in {0, (done - 1) * bs} if done else ():
+            if token_array(tokens[lo:lo + bs]) != lease.tokens[lo:lo + bs]:
+                raise CacheError("commit: the tokens differ from the ones committed before")
+
     def fork(self, lease: Lease, tokens: Sequence[int]) -> Lease:
         """A parallel sample of ``lease`` (whose ``tokens[:lease.computed]`` are computed): commits
         ``lease``'s whole blocks, then shares them (retained, path locked) and gives the new lease
         a copy of the partial last block. OutOfBlocks, with nothing changed, when no block is free
         or freeable for that copy."""
-        with self.lock:
+        with self.mutex:
             self._check_live(lease, "fork")
             full, partial = divmod(lease.computed, self.block_size)
             pool = self._pool("fork") if partial else None
-            if partial and self.freeable_blocks() < 1:  # checked first: a failed fork commits nothing
-                self._allocate(1, "the copy of a partial block")
+            if partial and self.allocator.num_free < 1 and self.freeable_blocks() < 1:
+                self._allocate(1, "the copy of a partial block")  # raises: a failed fork commits nothing
             self.commit(lease, tokens, lease.computed)
             copy = self._allocate(1, "the copy of a partial block") if partial else []
             if copy:
@@ -174,7 +196,7 @@ class CacheManager:
             self.allocator.retain(shared)
             self.tree.lock(lease.node)
             child = Lease(lease.namespace, shared + copy, lease.node, lease.computed, full,
-                          lease.cached_tokens, committed_tokens=lease.committed_tokens)
+                          lease.cached_tokens, tokens=lease.tokens[:])
             self._live[id(child)] = child
             return child
 
@@ -183,7 +205,7 @@ class CacheManager:
         ``lease.computed`` of them) what was computed is committed first, its partial last block
         kept in the tree as a tail. Then the lock and every reference the lease holds are dropped.
         A second release is a no-op."""
-        with self.lock:
+        with self.mutex:
             if lease.released:
                 return
             try:
@@ -194,36 +216,75 @@ class CacheManager:
                     self.commit(lease, tokens, lease.computed)
                     full, partial = divmod(lease.computed, self.block_size)
                     if partial:
-                        self.tree.insert(tokens[:lease.computed], lease.blocks[:full],
-                                         lease.namespace, tail_block=lease.blocks[full])
+                        self.tree.adopt_below(lease.node, tokens[full * self.block_size:lease.computed],
+                                              (), tail_block=lease.blocks[full])
             finally:  # whatever happened above, the lease lets go of everything
                 self.tree.unlock(lease.node)
                 self.allocator.release(lease.blocks)
                 lease.node, lease.blocks, lease.released = None, [], True
                 del self._live[id(lease)]
 
+    def finish(self, lease: Lease, tokens: Sequence[int], retain_s: float | None = None) -> None:
+        """End ``lease`` as a request that is done (the one verb for every front end): commit what
+        was computed (``tokens[:lease.computed]``), with ``retain_s`` (seconds) retain its
+        committed path that long (see ``retain``), then ``release`` it with ``tokens`` (the partial
+        last block kept as a tail). A bad ``retain_s`` raises before anything changes; whatever
+        fails after that, the lease is released."""
+        with self.mutex:
+            self._check_live(lease, "finish")
+            if retain_s is not None:
+                _check_seconds(retain_s)
+            try:
+                if retain_s is not None:
+                    self.commit(lease, tokens, lease.computed)
+                    self.retain(lease, retain_s)
+            finally:
+                self.release(lease, tokens)
+
     def prefetch(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
         """Load the store's blocks that follow the local match of ``tokens[:-1]`` into the tree;
-        returns the tokens loaded (see ``radixcache.prefetch``). Call it before ``admit``, without
-        holding ``lock``: it waits on the network. Without a store it returns 0 at once."""
+        returns the tokens loaded (see ``radixcache.lifecycle.prefetch``). Call it before ``admit``, without
+        holding ``mutex``: it waits on the network. Without a store it returns 0 at once."""
         return prefetch_from_store(self, tokens, namespace)
 
     def use_store(self, store) -> None:
         """Attach a shared store (or None); it needs the manager's pool and its block size."""
         if store is not None and (self.pool is None or store.block_size != self.block_size):
             raise ValueError("a store needs the manager's pool and the same block size")
-        with self.lock:
+        with self.mutex:
             self.store = store
 
+    def use_events(self, publisher) -> None:
+        """Publish the tree's whole blocks through ``publisher`` (a
+        ``radixcache.kv_events.KVEventPublisher``; None stops): it starts with ``AllBlocksCleared``
+        and ``BlockStored`` for what the tree holds. A publisher replaced here is not closed."""
+        if publisher is not None and not hasattr(publisher, "log"):
+            raise TypeError(f"use_events takes a KVEventPublisher or None, got "
+                            f"{type(publisher).__name__}")
+        with self.mutex:
+            self.tree.set_event_log(None if publisher is None else publisher.log)
+            self.events = publisher
+
+    def resync_events(self) -> None:
+        """Republish the whole state (``AllBlocksCleared``, then ``BlockStored`` for every whole
+        block), e.g. for a subscriber that joined late. Nothing without a publisher."""
+        with self.mutex:
+            self.tree.resync_events()
+
     def close(self, timeout: float = 10.0) -> dict:
-        """Flush and close the store (waiting up to ``timeout`` s for queued writes); returns its
-        final counters (empty without a store). The cache itself stays usable, store-less."""
-        with self.lock:
+        """Flush and close the store (waiting up to ``timeout`` s for queued writes) and the KV
+        event publisher (sending what is queued, unbinding); returns their final counters (empty
+        without either). The cache itself stays usable, without them."""
+        with self.mutex:
+            self._offers.finish(self.tree, self.pool)
             store, self.store = self.store, None
-        if store is None:
-            return dict(self._store_stats)
-        self._store_stats = store.close(timeout)
-        return dict(self._store_stats)
+            events = self.events
+            self.use_events(None)
+        if store is not None:
+            self._store_stats = store.close(timeout)
+        if events is not None:
+            self._events_stats = events.close(timeout)
+        return {**self._store_stats, **self._events_stats}
 
     def retain(self, lease: Lease, seconds: float) -> None:
         """Hint that ``lease``'s sequence comes back within ``seconds`` (an agent session waiting on
@@ -231,40 +292,41 @@ class CacheManager:
         then, evicted only after every prefix without a live hint, and still before anything is
         refused. Soft: it never pins, needs no release, and once expired changes nothing; it never
         changes a computed token. Call it after the last ``commit``, before ``release``."""
-        with self.lock:
+        with self.mutex:
             self._check_live(lease, "retain")
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-                raise TypeError(f"retain: seconds must be a number, got {seconds!r}")
-            if not seconds >= 0:
-                raise ValueError(f"retain: seconds must be >= 0, got {seconds!r}")
+            _check_seconds(seconds)
             self.tree.retain(lease.node, self.clock() + seconds)
 
     # ------------------------------------------------------------------ ledger and sizes
     def record_generated(self, n: int) -> None:
         """Count ``n`` generated tokens."""
-        with self.lock:
+        with self.mutex:
             self.ledger.generated_tokens += n
 
     def record_preemption(self) -> None:
         """Count one preempted sequence."""
-        with self.lock:
+        with self.mutex:
             self.ledger.preemptions += 1
 
     def record_fallback(self, reason: str) -> None:
         """Count one request served without the cache, and why."""
-        with self.lock:
+        with self.mutex:
             self.ledger.count_fallback(reason)
 
     def freeable_blocks(self) -> int:
-        """Blocks an allocation can get now: the free ones plus those eviction would free."""
-        with self.lock:
+        """Blocks an allocation can get now: the free ones plus those eviction would free (offers
+        to the store are finished first, so none of their blocks is missing)."""
+        with self.mutex:
+            self._offers.finish(self.tree, self.pool)
             return self.allocator.num_free + self.tree.evictable_blocks
 
     def stats(self) -> dict:
         """The ledger (``hit_rate`` = hit / queried tokens) and the sizes in tokens: ``cached_tokens``
         (held by the tree), ``pinned_tokens``, ``evictable_tokens``, ``free_tokens``,
-        ``capacity_tokens``, ``evicted_tokens``, and ``running`` (live leases)."""
-        with self.lock:
+        ``capacity_tokens``, ``evicted_tokens``, and ``running`` (live leases); with a store or a
+        KV event publisher, their counters too (``store_*``, ``kv_events_*``)."""
+        with self.mutex:
+            self._offers.finish(self.tree, self.pool)
             tree, bs = self.tree, self.block_size
             out = self.ledger.as_dict()
             out.update(cached_tokens=tree.cached_blocks * bs, pinned_tokens=tree.pinned_blocks * bs,
@@ -274,34 +336,41 @@ class CacheManager:
                        evicted_tokens=tree.stats.evicted_blocks * bs, running=len(self._live))
             if self.store is not None:
                 self._store_stats = self.store.stats()
+            if self.events is not None:
+                self._events_stats = self.events.stats()
             out.update(self._store_stats)
+            out.update(self._events_stats)
             return out
 
     def reset_stats(self) -> None:
-        """Zero the ledger (the cache's contents stay)."""
-        with self.lock:
+        """Zero every counter ``stats`` reports: the ledger and the tree's token counters (evicted
+        tokens included); the cache's contents and sizes stay."""
+        with self.mutex:
             self.ledger = Ledger()
+            self.tree.stats = CacheStats()
 
     def clear(self) -> None:
         """Drop every cached prefix that no live lease holds."""
-        with self.lock:
+        with self.mutex:
             self.tree.reset()
 
     def check(self) -> None:
         """Verify the tree's invariants and the manager's (module docstring); AssertionError says
         what is wrong."""
-        with self.lock:
+        with self.mutex:
+            self._offers.finish(self.tree, self.pool)
             check_manager(self.tree, self.allocator, self.leases(), self.block_size)
 
     def leases(self) -> tuple:
         """The live leases (admitted or forked, not yet released)."""
-        with self.lock:
+        with self.mutex:
             return tuple(self._live.values())
 
     # ------------------------------------------------------------------ helpers
     def _allocate(self, n: int, what: str) -> list:
         free = self.allocator.num_free
         if n > free:
+            self._offers.finish(self.tree, self.pool)
             evictable = self.tree.evictable_blocks
             if n > free + evictable:
                 running = sum(len(x.blocks) for x in self._live.values())
@@ -314,7 +383,7 @@ class CacheManager:
         return self.allocator.allocate(n)
 
     def _copy_tail(self, lease: Lease, m: Match) -> None:
-        if self.allocator.num_free < 1 and self.tree.evictable_blocks < 2:
+        if self.allocator.num_free < 1 and self.freeable_blocks() < 2:
             return  # the only block eviction could take is the tail itself
         self.allocator.retain([m.tail_block])  # the eviction for the copy must not free the source
         try:
@@ -346,3 +415,10 @@ class CacheManager:
     def __repr__(self) -> str:
         return (f"CacheManager(block_size={self.block_size}, blocks={self.allocator.num_blocks}, "
                 f"free={self.allocator.num_free}, running={len(self._live)})")
+
+
+def _check_seconds(seconds) -> None:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"retain: seconds must be a number, got {seconds!r}")
+    if not seconds >= 0:
+        raise ValueError(f"retain: seconds must be >= 0, got {seconds!r}")

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from radixcache.errors import OutOfBlocks
-from radixcache.tree import Namespace, as_token_tuple
+from radixcache.tokens import token_array
+from radixcache.tree import Namespace
 
 
 def prefetch_from_store(manager, tokens: Sequence[int], namespace: Namespace = ()) -> int:
@@ -26,10 +27,10 @@ def prefetch_from_store(manager, tokens: Sequence[int], namespace: Namespace = (
     store = manager.store
     if store is None:
         return 0
-    tokens = as_token_tuple(tokens)
+    tokens = token_array(tokens)
     bs = manager.block_size
     usable = (len(tokens) - 1) // bs if tokens else 0
-    with manager.lock:
+    with manager.mutex:
         start = manager.tree.peek(tokens[:usable * bs], namespace) // bs
         limit = min(usable - start, manager.freeable_blocks())
     if limit <= 0:
@@ -38,7 +39,7 @@ def prefetch_from_store(manager, tokens: Sequence[int], namespace: Namespace = (
     if not got:
         return 0
     end = start + len(got)
-    with manager.lock:
+    with manager.mutex:
         lease = manager.admit(tokens[:end * bs + 1], namespace, count=False)
         first = lease.committed
         if first < start:  # evicted since the look-up: what was fetched no longer follows it
@@ -57,7 +58,7 @@ def prefetch_from_store(manager, tokens: Sequence[int], namespace: Namespace = (
     except ValueError:
         pass  # a block this pool cannot hold exactly: stop there
     finally:
-        with manager.lock:
+        with manager.mutex:
             try:
                 if loaded > first:
                     manager.commit(lease, tokens, loaded * bs, offer=False)

@@ -12,7 +12,7 @@ cyclic-GC pass has to walk per node, block or token):
   per token, 4 B per block), and ``kids[i]`` its children as a dict from the packed first block of
   the child to the child's id (``None`` for a leaf). None of these is tracked by the collector:
   bytes hold no references (an ``array`` would be tracked), and CPython leaves a dict of bytes to
-  ints untracked. The whole store is a dozen tracked objects, however many nodes it holds.
+  ints untracked. The whole table is a dozen tracked objects, however many nodes it holds.
 
 A partial tail is a node too: fewer than ``block_size`` tokens in one block, below its parent in
 ``tail[parent]`` rather than among the children; it has no children or tail and is never locked.
@@ -34,7 +34,7 @@ from radixcache.tokens import unpack
 _EMPTY = b""
 
 
-class NodeStore:
+class NodeTable:
     """Columns of every node, alive or free; ``new`` and ``free`` manage ids."""
 
     __slots__ = ("parent", "lock_ref", "own_locks", "access", "until", "tail", "gen", "keys", "blocks",
@@ -121,70 +121,70 @@ class Node:
         return hash((id(self.owner), self.id, self.gen))
 
     @property
-    def _store(self) -> NodeStore:
-        return self.owner.store
+    def _table(self) -> NodeTable:
+        return self.owner.node_table
 
     @property
     def alive(self) -> bool:
         """Whether the node is still in the tree."""
-        return self._store.is_live(self.id, self.gen)
+        return self._table.is_live(self.id, self.gen)
 
     @property
     def parent(self) -> Node | None:
         """The parent's handle (None for a namespace root)."""
-        p = self._store.parent[self.id]
+        p = self._table.parent[self.id]
         return None if p < 0 else self.owner.handle_of(p)
 
     @property
     def children(self) -> list[Node]:
         """Handles of the whole-block children (empty for a leaf; the partial tail is ``tail``)."""
-        return [self.owner.handle_of(c) for c in (self._store.kids[self.id] or {}).values()]
+        return [self.owner.handle_of(c) for c in (self._table.kids[self.id] or {}).values()]
 
     @property
     def tail(self) -> Node | None:
         """The handle of the node's partial tail, or None."""
-        t = self._store.tail[self.id]
+        t = self._table.tail[self.id]
         return None if t < 0 else self.owner.handle_of(t)
 
     @property
     def key(self) -> array:
         """The node's tokens (empty for a root)."""
-        return unpack(self._store.keys[self.id])
+        return unpack(self._table.keys[self.id])
 
     @property
     def blocks(self) -> array:
         """The node's block ids, in order."""
-        return unpack(self._store.blocks[self.id])
+        return unpack(self._table.blocks[self.id])
 
     @property
     def lock_ref(self) -> int:
         """Locks on this node or below it."""
-        return self._store.lock_ref[self.id]
+        return self._table.lock_ref[self.id]
 
     @property
     def namespace(self) -> tuple:
         """The namespace of the node's tree."""
-        store, i = self._store, self.id
-        while store.parent[i] >= 0:
-            i = store.parent[i]
+        nodes, i = self._table, self.id
+        while nodes.parent[i] >= 0:
+            i = nodes.parent[i]
         return self.owner.namespace_of_root(i)
 
     @property
     def depth_tokens(self) -> int:
         """Number of tokens from the namespace root to the end of this node."""
-        store, i, n = self._store, self.id, 0
+        nodes, i, n = self._table, self.id, 0
         while i >= 0:
-            n += len(store.keys[i])
-            i = store.parent[i]
+            n += len(nodes.keys[i])
+            i = nodes.parent[i]
         return n // 4
 
     def __repr__(self) -> str:
         if not self.alive:
             return f"Node(id={self.id}, evicted)"
-        store = self._store
-        return (f"Node(id={self.id}, tokens={len(store.keys[self.id]) // 4}, "
-                f"blocks={len(store.blocks[self.id]) >> 2}, lock_ref={store.lock_ref[self.id]}, "
-                f"children={len(store.kids[self.id] or ())})")
+        nodes = self._table
+        return (f"Node(id={self.id}, tokens={len(nodes.keys[self.id]) // 4}, "
+                f"blocks={len(nodes.blocks[self.id]) >> 2}, lock_ref={nodes.lock_ref[self.id]}, "
+                f"children={len(nodes.kids[self.id] or ())})")
 
 
 class _HandleRef(weakref.ref):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field, fields
 
 from radixcache.tree import Namespace, Node
@@ -12,9 +13,11 @@ class Lease:
     """One sequence's hold on the cache. Owned by the manager: callers read it, never write it.
 
     ``blocks[i]`` holds the K/V of positions ``i*bs .. i*bs+bs-1``; ``computed`` leading tokens
-    have K/V there; ``committed`` leading whole blocks are in the tree; ``cached_tokens`` prompt
-    tokens were served from the cache at admission (what the server reports as
-    ``usage.prompt_tokens_details.cached_tokens``).
+    have K/V there; ``committed`` leading whole blocks are in the tree, on the path to ``node``,
+    and ``tokens`` are their tokens (an ``array('I')`` of ``committed * bs`` ids, packed once and
+    only ever extended, so a commit adds just its new blocks and its first ids may be read
+    outside the manager's lock); ``cached_tokens`` prompt tokens were served from the cache at
+    admission (what the server reports as ``usage.prompt_tokens_details.cached_tokens``).
     """
 
     namespace: Namespace
@@ -24,7 +27,7 @@ class Lease:
     committed: int = 0
     cached_tokens: int = 0
     released: bool = False
-    committed_tokens: tuple = ()  # the tokens of the committed blocks (checked on every commit)
+    tokens: array = field(default_factory=lambda: array("I"), repr=False)
 
 
 @dataclass
