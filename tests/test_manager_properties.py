@@ -32,6 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from radixcache import CacheError, OutOfBlocks
 from radixcache.lifecycle.manager import CacheManager
+from radixcache.tree.body import EXTEND_LIMIT
 
 NUM_BLOCKS = 10
 NAMESPACES = ((), ("tenant",))
@@ -99,6 +100,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.known = [(1, 2, 3, 4, 5)]
         self.sure: dict = {ns: set() for ns in NAMESPACES}  # committed since the last eviction
         self.evicted = 0
+        self.kept: dict = {ns: set() for ns in NAMESPACES}  # paths finished with retention
         self.admitted = self.queried = self.hit = 0
 
     # ------------------------------------------------------------------ helpers
@@ -139,6 +141,29 @@ class ManagerMachine(RuleBasedStateMachine):
         lease = seq.lease
         if lease.committed:
             self.sure[lease.namespace].add(tuple(seq.tokens[:lease.committed * self.bs]))
+
+    def commit(self, seq, end, tokens=None):
+        """``manager.commit`` and its growth contract: when the lease holds the only lock on a leaf
+        below the root that was never retained and has no tail, the new blocks extend that node in
+        place (a sequence committed block by block stays one node, however many commits it makes).
+        A node that may be retained (its path is a prefix of a path finished with retention) is not
+        checked."""
+        lease = seq.lease
+        tokens = seq.tokens if tokens is None else tokens
+        node, before = lease.node, lease.committed
+        path = self.path_of(node)
+        sole_leaf = (node.parent is not None and not node.children and node.lock_ref == 1
+                     and node.tail is None and len(node.blocks) < EXTEND_LIMIT
+                     and not any(kept[:len(path)] == path for kept in self.kept[lease.namespace]))
+        self.mgr.commit(lease, tokens, end)
+        if sole_leaf and lease.committed > before:
+            assert lease.node == node, "a commit by a leaf's only holder added a node below it"
+
+    def path_of(self, node):
+        path = ()
+        while node is not None:
+            path, node = tuple(node.key) + path, node.parent
+        return path
 
     def lcp(self, a, b):
         n = 0
@@ -198,7 +223,7 @@ class ManagerMachine(RuleBasedStateMachine):
         event("compute")
         self.write(seq, lease.computed, end)
         if data.draw(st.booleans(), label="commit now"):
-            self.mgr.commit(lease, seq.tokens, end)
+            self.commit(seq, end)
             self.remember_committed(seq)
         else:
             seq.pending = max(end, getattr(seq, "pending", None) or 0)
@@ -208,7 +233,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def commit_pending(self, data):
         seq = data.draw(st.sampled_from([s for s in self.seqs if getattr(s, "pending", None)]),
                         label="sequence")
-        self.mgr.commit(seq.lease, seq.tokens, max(seq.pending, seq.lease.computed))
+        self.commit(seq, max(seq.pending, seq.lease.computed))
         seq.pending = None
         self.remember_committed(seq)
 
@@ -275,8 +300,10 @@ class ManagerMachine(RuleBasedStateMachine):
         lease = seq.lease
         with self.mgr.mutex:
             if getattr(seq, "pending", None):
-                self.mgr.commit(lease, seq.tokens, max(seq.pending, lease.computed))
+                self.commit(seq, max(seq.pending, lease.computed))
             computed = lease.computed
+            if retain_s:
+                self.kept[lease.namespace].add(tuple(seq.tokens))
             self.mgr.finish(lease, seq.tokens, retain_s)
             self.seqs.remove(seq)
             self.mgr.tree.evict(k)
@@ -287,7 +314,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 if self.mgr.can_grow(other.lease, end):
                     self.mgr.grow(other.lease, end)
                     self.write(other, other.lease.computed, end)
-                    self.mgr.commit(other.lease, tokens, end)
+                    self.commit(other, end)
                 self.seqs.append(other)
         self.note_evictions()
         if computed >= self.bs and not self.evicted:
@@ -338,11 +365,6 @@ class ManagerMachine(RuleBasedStateMachine):
                     p = (start + j) * bs + o
                     assert cell == (ns, tokens[:p + 1]), f"offered position {p} held {cell}"
         self.store.offered.clear()
-        for seq in self.seqs:
-            depth, node = 0, seq.lease.node
-            while node is not None:
-                depth, node = depth + 1, node.parent
-            assert depth <= 2 + seq.lease.committed // 2, "a lease's path grew a node per commit"
         stats = mgr.stats()
         assert (stats["requests"], stats["queried_tokens"], stats["hit_tokens"]) == \
             (self.admitted, self.queried, self.hit)
