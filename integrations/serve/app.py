@@ -4,8 +4,13 @@
 
 - ``GET /health``: 200 ``{"status": "ok"}`` when an engine is attached, else 503 (error shape);
 - ``GET /metrics``: Prometheus text (open, like vLLM's, for scrapers);
-- ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``: behind the bearer
-  key when the server has keys.
+- ``GET /v1/models`` (with each model's ``root`` and ``max_model_len``), ``GET /v1/loads`` (the
+  load SGLang's model gateway polls, ``loads.py``), ``POST /v1/chat/completions``,
+  ``POST /v1/completions``: behind the bearer key when the server has keys (SMG started with
+  ``--api-key K`` sends ``Authorization: Bearer K`` on its polls too).
+
+``/version`` and ``/server_info`` stay 404 on purpose: a router that finds either takes the
+server for vLLM or SGLang.
 
 Every error is OpenAI's ``{"error": {...}}`` with the right status: 400 for malformed JSON and
 invalid fields (never FastAPI's 422), for prompts longer than the context or the pool; 401 without
@@ -31,6 +36,7 @@ from radixcache.integrations.serve import responses as R
 from radixcache.integrations.serve.errors import (APIError, bad_request, internal, method_not_allowed,
                                                   route_not_found, unavailable)
 from radixcache.integrations.serve.limits import check_bearer
+from radixcache.integrations.serve.loads import worker_loads
 from radixcache.integrations.serve.protocol import parse_chat_request, parse_completion_request
 from radixcache.integrations.serve.respond import respond
 
@@ -98,7 +104,12 @@ def create_app(state) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return R.model_list(state.model_names, R.now())
+        return R.model_list(state.model_names, R.now(), state.info.name, state.limits.max_context_tokens)
+
+    @app.get("/v1/loads")
+    async def loads(request: Request):
+        authorize(request)
+        return worker_loads(state)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", metavar="URL", default=None,
                         help="a shared KV tier: redis://[user:password@]host:port/db (or rediss://, unix://); "
                              "replicas on one store share their prefixes")
+    parser.add_argument("--kv-events", metavar="ENDPOINT", default=None,
+                        help="publish the cache's blocks as vLLM KV events on a ZMQ PUB socket bound at "
+                             "ENDPOINT, e.g. tcp://127.0.0.1:5557 (for KV-aware routers)")
+    parser.add_argument("--kv-events-topic", metavar="TOPIC", default="kv",
+                        help="the topic frame of every KV event message (default kv)")
     parser.add_argument("--no-history-precompute", action="store_true",
                         help="do not compute each reply's history form into the cache after it finishes")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -81,6 +86,8 @@ class ServeOptions:
     max_queue: int = DEFAULT_MAX_QUEUE
     history_precompute: bool = True
     store: str | None = None  # the --store URL
+    kv_events: str | None = None  # the --kv-events endpoint
+    kv_events_topic: str = "kv"
     log_level: str = "info"
 
     @property
@@ -118,9 +125,13 @@ class ServeOptions:
         store = getattr(args, "store", None)
         if store is not None and not store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--store {store}: expected a redis://, rediss:// or unix:// URL")
+        kv_events = getattr(args, "kv_events", None)
+        if kv_events is not None and "://" not in kv_events:
+            raise ValueError(f"--kv-events {kv_events}: expected a ZMQ endpoint such as tcp://127.0.0.1:5557")
+        topic = getattr(args, "kv_events_topic", "kv")
         return cls(model=model, dtype=getattr(args, "dtype", "auto"), host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
                    block_size=args.block_size, chat_template=template,
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
                    isolate_cache_by_key=args.isolate_cache_by_key, max_running=args.max_running,
                    max_queue=args.max_queue, history_precompute=not args.no_history_precompute,
-                   store=store, log_level=args.log_level)
+                   store=store, kv_events=kv_events, kv_events_topic=topic, log_level=args.log_level)

@@ -94,7 +94,7 @@ class ServerState:
         """Serve generation with ``engine`` (an ``EngineClient``; None: generation answers 503)."""
         self.engine = engine
         self.metrics.attach(engine.counts if engine is not None else None,
-                            getattr(engine, "store_stats", None))
+                            getattr(engine, "store_stats", None), getattr(engine, "events_stats", None))
 
     @property
     def limits(self) -> EngineLimits:
