@@ -4,8 +4,8 @@
 
 - ``GET /health``: 200 ``{"status": "ok"}`` when an engine is attached, else 503 (error shape);
 - ``GET /metrics``: Prometheus text (open, like vLLM's, for scrapers);
-- ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``: behind the bearer
-  key when the server has keys.
+- ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``: behind the API key
+  when the server has keys (a bearer or ``x-api-key``, the same key either way).
 
 Every error is OpenAI's ``{"error": {...}}`` with the right status: 400 for malformed JSON and
 invalid fields (never FastAPI's 422), for prompts longer than the context or the pool; 401 without
@@ -30,7 +30,7 @@ from radixcache.integrations.serve import openai_completions
 from radixcache.integrations.serve import responses as R
 from radixcache.integrations.serve.errors import (APIError, bad_request, internal, method_not_allowed,
                                                   route_not_found, unavailable)
-from radixcache.integrations.serve.limits import check_bearer
+from radixcache.integrations.serve.limits import check_api_key
 from radixcache.integrations.serve.protocol import parse_chat_request, parse_completion_request
 from radixcache.integrations.serve.respond import respond
 
@@ -82,7 +82,8 @@ def create_app(state) -> FastAPI:
         return _error_response(state, internal(f"internal error: {type(exc).__name__}"))
 
     def authorize(request: Request) -> str | None:
-        return check_bearer(request.headers.get("authorization"), state.options.api_keys)
+        headers = request.headers
+        return check_api_key(headers.get("authorization"), headers.get("x-api-key"), state.options.api_keys)
 
     @app.get("/health")
     async def health():

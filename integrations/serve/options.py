@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", metavar="URL", default=None,
                         help="a shared KV tier: redis://[user:password@]host:port/db (or rediss://, unix://); "
                              "replicas on one store share their prefixes")
+    parser.add_argument("--max-output-tokens", type=positive_int, metavar="N", default=None,
+                        help="cap on the tokens one request generates, on every protocol (default: what "
+                             "the context leaves after the prompt)")
+    parser.add_argument("--log-token-ids", metavar="FILE", default=None,
+                        help="append one JSON line per request to FILE: its protocol, prompt token ids, "
+                             "cached tokens and output token ids")
     parser.add_argument("--no-history-precompute", action="store_true",
                         help="do not compute each reply's history form into the cache after it finishes")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -82,6 +88,8 @@ class ServeOptions:
     history_precompute: bool = True
     store: str | None = None  # the --store URL
     log_level: str = "info"
+    max_output_tokens: int | None = None
+    log_token_ids: Path | None = None  # the --log-token-ids file
 
     @property
     def max_in_flight(self) -> int:
@@ -118,9 +126,16 @@ class ServeOptions:
         store = getattr(args, "store", None)
         if store is not None and not store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--store {store}: expected a redis://, rediss:// or unix:// URL")
+        log_file = getattr(args, "log_token_ids", None)
+        if log_file is not None:
+            log_file = Path(log_file).expanduser()
+            if not log_file.parent.is_dir():
+                raise ValueError(f"--log-token-ids {log_file}: no such directory {log_file.parent}")
         return cls(model=model, dtype=getattr(args, "dtype", "auto"), host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
                    block_size=args.block_size, chat_template=template,
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
                    isolate_cache_by_key=args.isolate_cache_by_key, max_running=args.max_running,
                    max_queue=args.max_queue, history_precompute=not args.no_history_precompute,
-                   store=store, log_level=args.log_level)
+                   store=store, log_level=args.log_level,
+                   max_output_tokens=getattr(args, "max_output_tokens", None),
+                   log_token_ids=log_file)
