@@ -6,8 +6,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixcache.integrations.serve.engine_client import EngineCounts
 from radixcache.integrations.serve.errors import APIError
-from radixcache.integrations.serve.limits import (AdmissionGate, check_bearer, max_new_tokens, resolve_model,
-                                                  tenant_salt)
+from radixcache.integrations.serve.limits import (AdmissionGate, check_api_key, check_bearer, max_new_tokens,
+                                                  resolve_model, tenant_salt)
 from radixcache.integrations.serve.metrics import ServerMetrics
 
 
@@ -25,6 +25,17 @@ def test_bearer_keys():
         err = status_of(check_bearer, header, ("k1", "k2"))
         assert err.status == 401 and err.code == "invalid_api_key" and "k1" not in err.message
         assert err.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_x_api_key_is_the_same_key():
+    """Anthropic's clients send ``x-api-key``; it is the bearer's key by another header."""
+    keys = ("k1", "k2")
+    assert check_api_key(None, "k2", keys) == "k2"
+    assert check_api_key("Bearer k1", None, keys) == "k1"
+    assert check_api_key("Bearer nope", "k1", keys) == "k1"  # either header may carry it
+    for auth, x in [(None, None), (None, ""), (None, "k3"), ("Basic k1", None), ("Bearer k3", "k4")]:
+        assert status_of(check_api_key, auth, x, keys).status == 401
+    assert check_api_key(None, None, ()) is None
 
 
 def test_tenant_salt():
@@ -50,6 +61,19 @@ def test_prompt_limits():
         err = status_of(max_new_tokens, *args)
         assert err.status == 400 and err.code == "context_length_exceeded" and err.param == param
     assert "pool" in status_of(max_new_tokens, 300, None, 512, 256).message
+
+
+def test_output_cap_and_clamp():
+    """``--max-output-tokens`` lowers every request's budget (a request without one gets the cap);
+    ``clamp`` (Anthropic's ``max_tokens`` is a ceiling) lowers an over-long ask to what the context
+    leaves instead of refusing it."""
+    assert max_new_tokens(100, None, 512, None, cap=64) == 64
+    assert max_new_tokens(100, 32000, 512, None, cap=64) == 64
+    assert max_new_tokens(100, 10, 512, None, cap=64) == 10
+    assert max_new_tokens(500, None, 512, None, cap=64) == 12  # the context still bounds it
+    assert max_new_tokens(500, 32000, 512, None, clamp=True) == 12
+    assert status_of(max_new_tokens, 500, 32000, 512, None).param == "max_tokens"
+    assert status_of(max_new_tokens, 500, 32000, 512, None, 64).param == "max_tokens"
 
 
 def test_admission_gate():

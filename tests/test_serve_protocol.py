@@ -68,6 +68,16 @@ def test_sampling_fields():
     assert not parse_chat_request({"messages": USER}).parses_tool_calls  # no tools: never parse
 
 
+@pytest.mark.parametrize("extra", [{"tool_choice": "auto"}, {"tool_choice": "required"}, {"tools": []},
+                                   {"tools": [], "tool_choice": "required"},
+                                   {"tool_choice": {"type": "function", "function": {"name": "x"}}}])
+def test_tool_choice_without_tools_is_ignored(extra):
+    """Routers (SMG) add ``tool_choice: "auto"`` to every body they forward: without tools (or with an
+    empty list) it means nothing and is ignored, never refused."""
+    req = parse_chat_request({"messages": USER, **extra})
+    assert req.tools is None and req.tool_choice is None and not req.parses_tool_calls
+
+
 @pytest.mark.parametrize("body,param,words", [
     ({}, "messages", "required"),
     ({"messages": []}, "messages", "at least 1"),
@@ -90,7 +100,6 @@ def test_sampling_fields():
     ({"messages": USER, "stop": ["a", 3]}, "stop", "string"),
     ({"messages": USER, "seed": "7"}, "seed", "integer"),
     ({"messages": USER, "stream_options": {"include_usage": True}}, None, "only allowed when stream"),
-    ({"messages": USER, "tool_choice": "auto"}, None, "only allowed when tools"),
     ({"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      None, "not in tools"),
     ({"messages": USER, "tools": TOOLS + TOOLS}, None, "unique"),

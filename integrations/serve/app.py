@@ -6,8 +6,9 @@
 - ``GET /metrics``: Prometheus text (open, like vLLM's, for scrapers);
 - ``GET /v1/models`` (with each model's ``root`` and ``max_model_len``), ``GET /v1/loads`` (the
   load SGLang's model gateway polls, ``loads.py``), ``POST /v1/chat/completions``,
-  ``POST /v1/completions``: behind the bearer key when the server has keys (SMG started with
-  ``--api-key K`` sends ``Authorization: Bearer K`` on its polls too).
+  ``POST /v1/completions``: behind the API key when the server has keys (a bearer or
+  ``x-api-key``, the same key either way; SMG started with ``--api-key K`` sends
+  ``Authorization: Bearer K`` on its polls too).
 
 ``/version`` and ``/server_info`` stay 404 on purpose: a router that finds either takes the
 server for vLLM or SGLang.
@@ -35,7 +36,7 @@ from radixcache.integrations.serve import openai_completions
 from radixcache.integrations.serve import responses as R
 from radixcache.integrations.serve.errors import (APIError, bad_request, internal, method_not_allowed,
                                                   route_not_found, unavailable)
-from radixcache.integrations.serve.limits import check_bearer
+from radixcache.integrations.serve.limits import check_api_key
 from radixcache.integrations.serve.loads import worker_loads
 from radixcache.integrations.serve.protocol import parse_chat_request, parse_completion_request
 from radixcache.integrations.serve.respond import respond
@@ -88,7 +89,8 @@ def create_app(state) -> FastAPI:
         return _error_response(state, internal(f"internal error: {type(exc).__name__}"))
 
     def authorize(request: Request) -> str | None:
-        return check_bearer(request.headers.get("authorization"), state.options.api_keys)
+        headers = request.headers
+        return check_api_key(headers.get("authorization"), headers.get("x-api-key"), state.options.api_keys)
 
     @app.get("/health")
     async def health():

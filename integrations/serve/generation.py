@@ -156,9 +156,19 @@ class Generation:
         away, or an error), and give the admission slot back. Idempotent."""
         if self._stream is not None and not self.finished:
             self.state.engine.abort(self.request_id)
+        if not self.slot.released:
+            self._log_tokens()
         self.slot.release()
 
     # ------------------------------------------------------------------ bookkeeping
+    def _log_tokens(self) -> None:
+        log, job = self.state.token_log, self.job
+        if log is None or self._stream is None:
+            return
+        log.write(request_id=self.request_id, protocol=job.protocol, model=job.model, prompt_ids=job.prompt_ids,
+                  cached_tokens=self.cached_tokens, output_ids=[s.tokens for s in self.samples],
+                  finish_reasons=[s.finish for s in self.samples])
+
     def _aborted(self):
         done = self.completion_tokens
         if self.state.stopping:

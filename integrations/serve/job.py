@@ -29,6 +29,7 @@ from typing import NamedTuple
 from radixcache.engine import Request, SamplingParams
 from radixcache.engine.request import check_vocabulary
 from radixcache.integrations.serve.chat_template import RenderedPrompt, RenderError
+from radixcache.integrations.serve.constraints import OutputConstraint
 from radixcache.integrations.serve.errors import bad_request
 from radixcache.integrations.serve.limits import max_new_tokens, tenant_salt
 from radixcache.integrations.serve.responses import new_id
@@ -105,16 +106,23 @@ def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api
             max_tokens: int | None = None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
             n: int = 1, seed: int | None = None, stop=(), stream: bool = False, include_usage: bool = False,
             retain_s: float | None = None, conversation: Conversation | None = None,
-            parse_tools: bool = False) -> Job:
+            parse_tools: bool = False, clamp_max_tokens: bool = False,
+            constraint: OutputConstraint | None = None) -> Job:
     """The ``Job`` for a prompt and its settings (see the module docstring); raises ``APIError`` 400
-    naming what cannot be served (the response id is ``id_prefix-<hex>``)."""
+    naming what cannot be served (the response id is ``id_prefix-<hex>``). ``max_tokens`` is capped
+    by ``--max-output-tokens``; over what the context leaves it is a 400, or, with
+    ``clamp_max_tokens`` (protocols whose cap is only a ceiling), lowered to it. ``constraint`` is
+    what the output must satisfy (``constraints.py``)."""
+    if constraint is not None:
+        raise bad_request(f"constrained output ({constraint.kind}) is not supported by this server yet")
     limits = state.limits
     prompt_ids = tuple(prompt_ids)
     try:
         check_vocabulary(prompt_ids, state.info.vocab_size)
     except ValueError as exc:
         raise bad_request(str(exc), param="prompt") from None
-    budget = max_new_tokens(len(prompt_ids), max_tokens, limits.max_context_tokens, limits.pool_tokens)
+    budget = max_new_tokens(len(prompt_ids), max_tokens, limits.max_context_tokens, limits.pool_tokens,
+                            getattr(state.options, "max_output_tokens", None), clamp_max_tokens)
     greedy = temperature == 0
     try:
         params = SamplingParams(max_new_tokens=budget, do_sample=not greedy,

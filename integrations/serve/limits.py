@@ -14,21 +14,28 @@ from radixcache.integrations.serve.errors import bad_request, model_not_found, q
 _SALT_PERSON = b"radixcache-salt"
 
 
-def check_bearer(authorization: str | None, keys) -> str | None:
+def check_api_key(authorization: str | None, x_api_key: str | None, keys) -> str | None:
     """The API key a request authenticates with, or None when the server has no keys.
 
-    ``authorization`` is the ``Authorization`` header; it must be ``Bearer <key>`` for one of
-    ``keys`` (compared in constant time). Raises ``APIError`` 401 otherwise.
+    The key may come as ``Authorization: Bearer <key>`` (OpenAI's clients, ``ANTHROPIC_AUTH_TOKEN``)
+    or as ``x-api-key: <key>`` (Anthropic's clients): the same key either way, so it gives the same
+    tenant salt. It must be one of ``keys`` (compared in constant time); raises ``APIError`` 401
+    otherwise.
     """
     if not keys:
         return None
     scheme, _, token = (authorization or "").partition(" ")
-    token = token.strip()
-    if scheme.lower() == "bearer" and token:
-        for key in keys:
-            if hmac.compare_digest(token.encode(), key.encode()):
+    token = token.strip() if scheme.lower() == "bearer" else ""
+    for offered in (token, (x_api_key or "").strip()):
+        for key in keys if offered else ():
+            if hmac.compare_digest(offered.encode(), key.encode()):
                 return key
     raise unauthorized()
+
+
+def check_bearer(authorization: str | None, keys) -> str | None:
+    """``check_api_key`` with only the ``Authorization`` header."""
+    return check_api_key(authorization, None, keys)
 
 
 def tenant_salt(api_key: str | None, isolate: bool) -> str | None:
@@ -57,12 +64,15 @@ def resolve_model(requested: str | None, served_names) -> str:
 
 
 def max_new_tokens(prompt_tokens: int, requested: int | None, max_context: int,
-                   pool_tokens: int | None) -> int:
+                   pool_tokens: int | None, cap: int | None = None, clamp: bool = False) -> int:
     """How many tokens a request may generate; raises ``APIError`` 400 when it cannot be served.
 
     A prompt must leave room for one generated token in the model's context (``max_context``) and
     fit the KV pool (``pool_tokens``, None when unknown) with that token. ``requested`` (the
-    request's ``max_tokens``) must fit the context with the prompt; None means up to the context.
+    request's ``max_tokens``) is first lowered to the server's ``cap`` (``--max-output-tokens``,
+    None for none); it must then fit the context with the prompt, unless ``clamp`` (protocols whose
+    ``max_tokens`` is only a ceiling, like Anthropic's), where it is lowered to what the context
+    leaves. None means up to the context (and the cap).
     """
     if prompt_tokens >= max_context:
         raise bad_request(f"This model's maximum context length is {max_context} tokens, but the prompt "
@@ -71,9 +81,14 @@ def max_new_tokens(prompt_tokens: int, requested: int | None, max_context: int,
         raise bad_request(f"The prompt has {prompt_tokens} tokens, but the KV cache pool holds only "
                           f"{pool_tokens} tokens (start the server with a larger --max-cache-tokens).",
                           param="messages", code="context_length_exceeded")
+    room = max_context - prompt_tokens
     if requested is None:
-        return max_context - prompt_tokens
-    if prompt_tokens + requested > max_context:
+        return room if cap is None else min(room, cap)
+    if cap is not None:
+        requested = min(requested, cap)
+    if requested > room:
+        if clamp:
+            return room
         raise bad_request(f"This model's maximum context length is {max_context} tokens; the prompt "
                           f"({prompt_tokens} tokens) plus max_tokens ({requested}) exceeds it.",
                           param="max_tokens", code="context_length_exceeded")

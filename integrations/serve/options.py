@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ENDPOINT, e.g. tcp://127.0.0.1:5557 (for KV-aware routers)")
     parser.add_argument("--kv-events-topic", metavar="TOPIC", default="kv",
                         help="the topic frame of every KV event message (default kv)")
+    parser.add_argument("--max-output-tokens", type=positive_int, metavar="N", default=None,
+                        help="cap on the tokens one request generates, on every protocol (default: what "
+                             "the context leaves after the prompt)")
+    parser.add_argument("--log-token-ids", metavar="FILE", default=None,
+                        help="append one JSON line per request to FILE: its protocol, prompt token ids, "
+                             "cached tokens and output token ids")
     parser.add_argument("--no-history-precompute", action="store_true",
                         help="do not compute each reply's history form into the cache after it finishes")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -89,6 +95,8 @@ class ServeOptions:
     kv_events: str | None = None  # the --kv-events endpoint
     kv_events_topic: str = "kv"
     log_level: str = "info"
+    max_output_tokens: int | None = None
+    log_token_ids: Path | None = None  # the --log-token-ids file
 
     @property
     def max_in_flight(self) -> int:
@@ -129,9 +137,16 @@ class ServeOptions:
         if kv_events is not None and "://" not in kv_events:
             raise ValueError(f"--kv-events {kv_events}: expected a ZMQ endpoint such as tcp://127.0.0.1:5557")
         topic = getattr(args, "kv_events_topic", "kv")
+        log_file = getattr(args, "log_token_ids", None)
+        if log_file is not None:
+            log_file = Path(log_file).expanduser()
+            if not log_file.parent.is_dir():
+                raise ValueError(f"--log-token-ids {log_file}: no such directory {log_file.parent}")
         return cls(model=model, dtype=getattr(args, "dtype", "auto"), host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
                    block_size=args.block_size, chat_template=template,
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
                    isolate_cache_by_key=args.isolate_cache_by_key, max_running=args.max_running,
                    max_queue=args.max_queue, history_precompute=not args.no_history_precompute,
-                   store=store, kv_events=kv_events, kv_events_topic=topic, log_level=args.log_level)
+                   store=store, kv_events=kv_events, kv_events_topic=topic, log_level=args.log_level,
+                   max_output_tokens=getattr(args, "max_output_tokens", None),
+                   log_token_ids=log_file)

@@ -130,8 +130,8 @@ class ChatCompletionRequest(_Sampling):
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")
-        if self.tool_choice is not None and not self.tools:
-            raise ValueError("tool_choice is only allowed when tools are given")
+        if not self.tools:  # routers (SMG) add tool_choice "auto" to every body: ignored, not refused
+            self.tools, self.tool_choice = None, None
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, "
                              "which is not in tools")

@@ -23,6 +23,7 @@ from radixcache.integrations.serve.history_index import HistoryIndex
 from radixcache.integrations.serve.history_work import PendingHistories
 from radixcache.integrations.serve.job import history_request
 from radixcache.integrations.serve.limits import AdmissionGate
+from radixcache.integrations.serve.token_log import TokenLog
 from radixcache.integrations.serve.metrics import ServerMetrics
 from radixcache.integrations.serve.render_thread import RenderThread
 
@@ -89,6 +90,8 @@ class ServerState:
         self._render = RenderThread()
         self._background: set = set()
         self._shutdown_task = None
+        log_path = getattr(options, "log_token_ids", None)
+        self.token_log = TokenLog(log_path) if log_path is not None else None
 
     def attach_engine(self, engine) -> None:
         """Serve generation with ``engine`` (an ``EngineClient``; None: generation answers 503)."""
@@ -177,3 +180,5 @@ class ServerState:
         if self.engine is not None:
             await self.engine.close()
         self._render.close()
+        if self.token_log is not None:
+            self.token_log.close()
