@@ -4,7 +4,9 @@
 starting ``k * stagger_s`` seconds in), each ``turns`` turns: a system prompt of its own (about
 1,100 characters: ``"Session k: "`` and a shared filler), then per turn a user message, a
 streamed greedy reply of at most ``max_tokens`` tokens (``stream_options.include_usage``) appended
-to the history, and ``pause_s`` seconds (the client running its tool) before the next turn. It
+to the history, and a pause (the client running its tool) before the next turn: ``pause_s``,
+``1.5 * pause_s`` or ``2 * pause_s`` for sessions 0, 1, 2 (mod 3), so that sessions drift out of
+lockstep (a ``round_robin`` router would otherwise keep each on one replica by parity). It
 returns one ``Turn`` per request, in session and turn order: the response id (the replica's token
 log names it), prompt and cached tokens (``usage``), the time to the first content chunk and the
 whole request's time. Every request is bounded by ``timeout_s``; a failed one raises.
@@ -76,7 +78,7 @@ def run_sessions(base_url: str, model: str, *, sessions: int = 8, turns: int = 3
                                             (first or end) - start, end - start)
                 messages.append({"role": "assistant", "content": "".join(text)})
                 if t + 1 < turns:
-                    time.sleep(pause_s)
+                    time.sleep(pause_s * (1 + (k % 3) / 2))
         except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append((k, exc))
 
@@ -84,7 +86,7 @@ def run_sessions(base_url: str, model: str, *, sessions: int = 8, turns: int = 3
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=turns * (timeout_s + pause_s) + sessions * stagger_s + 10)
+        thread.join(timeout=turns * (timeout_s + 2 * pause_s) + sessions * stagger_s + 10)
     if errors:
         k, exc = errors[0]
         raise RuntimeError(f"session {first_session + k} failed: {type(exc).__name__}: {exc}") from exc
