@@ -4,6 +4,7 @@
 
 - ``GET /health``: 200 ``{"status": "ok"}`` when an engine is attached, else 503 (error shape);
 - ``GET /metrics``: Prometheus text (open, like vLLM's, for scrapers);
+- ``GET /openapi.json``: the OpenAPI document, every request body described by its model (open);
 - ``GET /v1/models`` (with each model's ``root`` and ``max_model_len``), ``GET /v1/loads`` (the
   load SGLang's model gateway polls, ``loads.py``), ``POST /v1/chat/completions``,
   ``POST /v1/completions``: behind the API key when the server has keys (a bearer or
@@ -32,13 +33,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixcache import __version__
 from radixcache.integrations.serve import openai_completions
 from radixcache.integrations.serve import responses as R
 from radixcache.integrations.serve.errors import (APIError, bad_request, internal, method_not_allowed,
                                                   route_not_found, unavailable)
 from radixcache.integrations.serve.limits import check_api_key
 from radixcache.integrations.serve.loads import worker_loads
-from radixcache.integrations.serve.protocol import parse_chat_request, parse_completion_request
+from radixcache.integrations.serve.openapi import BodySchemas
+from radixcache.integrations.serve.protocol import (ChatCompletionRequest, CompletionRequest, parse_chat_request,
+                                                    parse_completion_request)
 from radixcache.integrations.serve.respond import respond
 
 logger = logging.getLogger("radixcache.serve")
@@ -65,7 +69,9 @@ def create_app(state) -> FastAPI:
         yield
         await state.shutdown()
 
-    app = FastAPI(title="radixcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="radixcache", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    bodies = BodySchemas()
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
@@ -113,16 +119,17 @@ def create_app(state) -> FastAPI:
         authorize(request)
         return worker_loads(state)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=bodies.body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         key = authorize(request)
         job = await openai_completions.chat_job(state, parse_chat_request(await _json_body(request)), key)
         return await respond(state, job, request, openai_completions.body, openai_completions.chunks)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=bodies.body(CompletionRequest))
     async def completions(request: Request):
         key = authorize(request)
         job = await openai_completions.completion_job(state, parse_completion_request(await _json_body(request)), key)
         return await respond(state, job, request, openai_completions.body, openai_completions.chunks)
 
+    bodies.install(app)
     return app

@@ -26,6 +26,7 @@ from radixcache.tree.nodes import HandleTable, Node
 from radixcache.tokens import token_bytes, unpack
 from radixcache.tree.body import TreeBody
 from radixcache.tree.check import check_tree, held_outside
+from radixcache.tree.eviction import evict_lru
 from radixcache.tree.insertion import insert_args, insert_below
 from radixcache.tree.changes import ChangeLog
 from radixcache.tree.results import Adopted, CacheStats, Match
@@ -267,7 +268,7 @@ class RadixCache:
         and the least recently used blocks are always at leaves."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        dropped = self.body.evict(num_blocks, self.clock)
+        dropped = evict_lru(self.body, num_blocks, self.clock)
         self.stats.evicted_blocks += dropped
         if dropped:
             self.changes.evicted()
