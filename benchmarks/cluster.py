@@ -16,8 +16,10 @@ meanwhile). Setups, each on sessions no other setup has seen:
 Per setup and turn it prints the median cached tokens (``usage.prompt_tokens_details``), the hit
 rate (cached / prompt tokens) and the median TTFT (request sent to the first content chunk); per
 setup the sessions that stayed on one replica (from the replicas' ``--log-token-ids`` files), the
-cached tokens of turns 2+ against the ideal (the tokens the prompt repeats of the previous turn's
-prompt and reply, token for token, all but its last), TTFT p50 / p99 and the wall time. Bounded: sessions x
+share of the ideal served on turns 2+ (per request the ideal is ``token_log.ideal_cached``: the
+longest prefix of its prompt that an earlier request's prompt and output covered on any replica,
+in whole blocks; a request's cached tokens count up to its ideal), TTFT p50 / p99 and the wall
+time. Bounded: sessions x
 turns requests per setup, each with a 120 s timeout. Timings on a shared machine are noisy.
 
     python benchmarks/cluster.py [--model DIR] [--replicas 2] [--sessions 8] [--turns 4]
@@ -38,7 +40,7 @@ from report import fmt, median, percentile, table  # noqa: E402
 from server_process import ServerProcess, free_port  # noqa: E402
 from smg_cluster import Router, replica_command, served_by  # noqa: E402
 
-from radixcache.tokens import common_prefix  # noqa: E402
+from radixcache.integrations.serve.token_log import ideal_cached  # noqa: E402
 
 
 class Group:
@@ -64,20 +66,17 @@ class Group:
             proc.stop()
 
 
-def summarize(name, turns, served):
-    """(per-turn rows, summary row) of one setup."""
+def summarize(name, turns, served, block_size):
+    """(per-turn rows, summary row) of one setup; ``served``: ``served_by`` of its replicas' logs."""
     by_session = {}
     for t in turns:
         by_session.setdefault(t.session, []).append(t)
     sticky = sum(1 for ts in by_session.values() if len({served[t.id][0] for t in ts}) == 1)
-    cached_later = ideal = 0
-    for ts in by_session.values():
-        for prev, cur in zip(ts, ts[1:]):
-            before = served[prev.id][1]
-            history = before["prompt_ids"] + (before["output_ids"][0] if before["output_ids"] else [])
-            prompt = served[cur.id][1]["prompt_ids"]
-            ideal += min(common_prefix(history, prompt), len(prompt) - 1)
-            cached_later += cur.cached_tokens
+    lines = sorted((line for _, line in served.values()), key=lambda line: line["time"])
+    ideal_of = dict(zip((line["id"] for line in lines), ideal_cached(lines, block_size)))
+    later = [t for t in turns if t.turn > 0]
+    ideal = sum(ideal_of[t.id] for t in later)
+    served_ideal = sum(min(t.cached_tokens, ideal_of[t.id]) for t in later)
     rows = []
     for turn in sorted({t.turn for t in turns}):
         ts = [t for t in turns if t.turn == turn]
@@ -88,7 +87,7 @@ def summarize(name, turns, served):
                      fmt(median([t.ttft_s * 1000 for t in ts]), ".0f")])
     prompt = sum(t.prompt_tokens for t in turns)
     ttfts = [t.ttft_s * 1000 for t in turns]
-    summary = [name, f"{sticky}/{len(by_session)}", fmt(cached_later / ideal if ideal else None, ".2f"),
+    summary = [name, f"{sticky}/{len(by_session)}", fmt(served_ideal / ideal if ideal else None, ".2f"),
                fmt(sum(t.cached_tokens for t in turns) / prompt if prompt else None, ".2f"),
                fmt(percentile(ttfts, 50), ".0f"), fmt(percentile(ttfts, 99), ".0f")]
     return rows, summary
@@ -143,7 +142,7 @@ def main(argv=None) -> int:
                 finally:
                     if router is not None:
                         router.stop()
-                per_turn, summary = summarize(name, turns, served_by(group.logs))
+                per_turn, summary = summarize(name, turns, served_by(group.logs), args.block_size)
                 rows += per_turn
                 summaries.append(summary + [f"{time.perf_counter() - t0:.1f}"])
                 print(f"  {name}: done in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -155,7 +154,7 @@ def main(argv=None) -> int:
     print()
     print(table(["setup", "turn", "prompt tokens", "cached (median)", "hit rate", "TTFT p50 ms"], rows))
     print()
-    print(table(["setup", "sessions on one replica", "cached / ideal (turns 2+)", "hit rate",
+    print(table(["setup", "sessions on one replica", "of the ideal (turns 2+)", "hit rate",
                  "TTFT p50 ms", "TTFT p99 ms", "wall s"], summaries))
     print(f"\ndone in {time.perf_counter() - started:.1f} s")
     return 0
