@@ -9,7 +9,8 @@
 # client at http://127.0.0.1:$ROUTER_PORT/v1. SMG keeps a session on the replica that holds its
 # prefix (cache_aware); a session routed elsewhere loads its blocks from Redis.
 #
-# Environment: SERVE_ARGS (extra `radixcache serve` options, e.g. "--model DIR"), POLICY
+# Environment: SERVE_ARGS (extra `radixcache serve` options, e.g. "--model DIR"), SMG_ARGS (extra
+# `smg launch` options; with "--api-key K" in SERVE_ARGS, put "--api-key K" here too), POLICY
 # (cache_aware), BASE_PORT (8001), ROUTER_PORT (30000), METRICS_PORT (29000: SMG's Prometheus),
 # REDIS_PORT (6390), EVENTS_PORT (5557), RADIXCACHE (radixcache), SMG (smg), REDIS_SERVER
 # (redis-server). From a checkout: `make setup && PATH=.venv/bin:$PATH examples/cluster.sh 2`.
@@ -26,6 +27,7 @@ RADIXCACHE=${RADIXCACHE:-radixcache}
 SMG=${SMG:-smg}
 REDIS_SERVER=${REDIS_SERVER:-redis-server}
 read -r -a EXTRA <<< "${SERVE_ARGS:-}"
+read -r -a SMG_EXTRA <<< "${SMG_ARGS:-}"
 
 PIDS=()
 stop() {
@@ -58,7 +60,8 @@ done
 
 "$SMG" launch --host 127.0.0.1 --port "$ROUTER_PORT" --prometheus-host 127.0.0.1 \
   --prometheus-port "$METRICS_PORT" --policy "$POLICY" --worker-urls "${URLS[@]}" \
-  --worker-startup-check-interval 1 --load-monitor-interval 1 --shutdown-grace-period-secs 0 &
+  --worker-startup-check-interval 1 --load-monitor-interval 1 --shutdown-grace-period-secs 0 \
+  "${SMG_EXTRA[@]}" &
 PIDS+=($!)
 until curl -sf "http://127.0.0.1:$ROUTER_PORT/readiness" > /dev/null; do sleep 0.5; done
 echo "cluster: $N replicas behind SMG ($POLICY) on http://127.0.0.1:$ROUTER_PORT/v1 (Ctrl-C stops)" >&2

@@ -1,5 +1,6 @@
 """``examples/cluster.sh`` as a user runs it: 2 replicas (a tiny random Llama) on one redis-server
-behind SMG on free loopback ports; a chat request through the router succeeds, the replicas
+behind SMG on free loopback ports, with an API key (``SERVE_ARGS`` and ``SMG_ARGS``); a chat
+request through the router succeeds, the replicas
 publish KV events, and Ctrl-C (SIGINT to the script's process group, as a terminal sends it) stops
 every process it started."""
 
@@ -19,6 +20,7 @@ from serve_helpers import write_model_dir
 sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from server_process import free_port  # noqa: E402
 
+KEY = "sk-example"
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "cluster.sh"
 
 
@@ -35,7 +37,8 @@ def test_cluster_script_serves_and_stops(tmp_path):
     ports = {name: free_port() for name in ("ROUTER_PORT", "METRICS_PORT", "REDIS_PORT")}
     base, events = free_port(), free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-               SERVE_ARGS=f"--model {model_dir} --dtype float32 --max-cache-tokens 4096",
+               SERVE_ARGS=f"--model {model_dir} --dtype float32 --max-cache-tokens 4096 --api-key {KEY}",
+               SMG_ARGS=f"--api-key {KEY}",
                BASE_PORT=str(base), EVENTS_PORT=str(events), **{k: str(v) for k, v in ports.items()})
     log = open(tmp_path / "cluster.log", "w")
     proc = subprocess.Popen(["bash", str(SCRIPT), "2"], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -51,7 +54,7 @@ def test_cluster_script_serves_and_stops(tmp_path):
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         for i in range(2):
             sub.connect(f"tcp://127.0.0.1:{events + i}")
-        client = openai.OpenAI(base_url=router + "/v1", api_key="none", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=router + "/v1", api_key=KEY, max_retries=0, timeout=120)
         for _ in range(10):  # until the subscription is live, then one event batch has arrived
             reply = client.chat.completions.create(model="tiny-example", max_tokens=4, temperature=0,
                                                    messages=[{"role": "user", "content": "Hello " * 40}])
@@ -62,6 +65,9 @@ def test_cluster_script_serves_and_stops(tmp_path):
             raise AssertionError("no KV event from either replica")
         assert sub.recv_multipart()[0] == b"kv"
         assert httpx.get(router + "/readiness", timeout=5).json()["healthy_workers"] == 2
+        unkeyed = httpx.post(router + "/v1/chat/completions", timeout=30,  # SMG wants the key
+                             json={"model": "tiny-example", "messages": [{"role": "user", "content": "Hi"}]})
+        assert unkeyed.status_code == 401, unkeyed.text
     finally:
         sub.close(linger=0)
         context.term()
