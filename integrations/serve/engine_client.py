@@ -2,7 +2,7 @@
 
 The server never touches the engine, the tree or the pool directly: it only calls an
 ``EngineClient``. Requests and events are the engine's: ``radixcache.engine.Request`` (prompt ids,
-``SamplingParams``, cache salt, priority, ``prefill_only``, ``retain_s``) in, and
+``SamplingParams``, cache salt, priority, ``prefill_only``, ``keep_s``) in, and
 ``radixcache.engine.Event`` (``request_id``, ``sample``, ``token``, ``finished``, ``finish_reason``,
 ``cached_tokens``, ``error``) out; ``job.py`` is the one place the server builds a ``Request``.
 Wiring the server to radixcache's engine is one module that implements this protocol

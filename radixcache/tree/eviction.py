@@ -42,7 +42,7 @@ def evict_lru(body: TreeBody, num_blocks: int, now) -> int:
     ``radixcache.tree.recency``), a leaf's deepest blocks first; returns how many were dropped.
     ``now`` is called for the time only when some leaf is retained."""
     nodes, recency, bs4 = body.nodes, body.recency, body.bs4
-    if recency.retained:
+    if recency.deadlines:
         recency.expire(now())
     dropped = 0
     gone = bytearray()
