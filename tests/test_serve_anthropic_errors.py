@@ -176,3 +176,31 @@ def test_server_tools_are_dropped_with_a_log_line_and_tool_choice_without_tools_
     assert dropped == plain < with_weather and body.type == "message"
     assert "dropping server tool 'web_search'" in caplog.text
     served.assert_clean()
+
+
+def test_an_engine_failure_is_an_api_error_and_in_a_stream_an_error_event(served, monkeypatch):
+    real = served.lm.runner.forward
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) % 2 == 0:  # the prompt goes in; the first decode step fails
+            raise RuntimeError("device fell over")
+        return real(*args, **kwargs)
+
+    served.say(USER, "A long enough answer to need several steps.")
+    monkeypatch.setattr(served.lm.runner, "forward", broken)
+    with client(served) as c:
+        with pytest.raises(anthropic.InternalServerError) as raised:
+            create(c, extra_body=GREEDY)
+        assert error_of(raised.value)["type"] == "api_error" and "device fell over" in raised.value.message
+        seen = []
+        with pytest.raises(anthropic.APIStatusError) as raised:
+            with c.messages.stream(model=MODEL, max_tokens=16, messages=USER, extra_body=GREEDY) as s:
+                for event in s:
+                    seen.append(event.type)
+        assert seen[0] == "message_start"  # the stream had begun: the error comes as its error event
+        assert error_of(raised.value) == {"type": "api_error", "message": "generation failed: RuntimeError: device fell over"}
+        monkeypatch.setattr(served.lm.runner, "forward", real)
+        assert create(c, extra_body=GREEDY).content[0].text.startswith("A long")
+    served.assert_clean()
