@@ -10,7 +10,7 @@ from schemathesis.checks import not_a_server_error
 
 from serve_helpers import Served, write_model_dir
 
-POST_ROUTES = ("/v1/chat/completions", "/v1/completions")
+POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens")
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,16 @@
 - ``GET /openapi.json``: the OpenAPI document, every request body described by its model (open);
 - ``GET /v1/models`` (with each model's ``root`` and ``max_model_len``), ``GET /v1/loads`` (the
   load SGLang's model gateway polls, ``loads.py``), ``POST /v1/chat/completions``,
-  ``POST /v1/completions``: behind the API key when the server has keys (a bearer or
+  ``POST /v1/completions``, and Anthropic's ``POST /v1/messages`` (any query string) and
+  ``POST /v1/messages/count_tokens``: behind the API key when the server has keys (a bearer or
   ``x-api-key``, the same key either way; SMG started with ``--api-key K`` sends
   ``Authorization: Bearer K`` on its polls too).
 
 ``/version`` and ``/server_info`` stay 404 on purpose: a router that finds either takes the
 server for vLLM or SGLang.
 
-Every error is OpenAI's ``{"error": {...}}`` with the right status: 400 for malformed JSON and
+Every error is OpenAI's ``{"error": {...}}`` (on the Messages paths Anthropic's ``{"type": "error",
+"error": {...}}``, ``anthropic_messages.error_body``) with the right status: 400 for malformed JSON and
 invalid fields (never FastAPI's 422), for prompts longer than the context or the pool; 401 without
 the key; 404 for an unknown model or route; 429 when every slot is taken; 503 without an engine.
 A rejected request changes nothing: it is refused before it reaches the engine. Each protocol is an
@@ -34,11 +36,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixcache import __version__
-from radixcache.integrations.serve import openai_completions
+from radixcache.integrations.serve import anthropic_messages, openai_completions
 from radixcache.integrations.serve import responses as R
 from radixcache.integrations.serve.errors import (APIError, bad_request, internal, method_not_allowed,
                                                   route_not_found, unavailable)
 from radixcache.integrations.serve.limits import check_api_key
+from radixcache.integrations.serve.anthropic_protocol import (CountTokensRequest, MessagesRequest,
+                                                              parse_count_tokens_request, parse_messages_request)
 from radixcache.integrations.serve.loads import worker_loads
 from radixcache.integrations.serve.openapi import BodySchemas
 from radixcache.integrations.serve.protocol import (ChatCompletionRequest, CompletionRequest, parse_chat_request,
@@ -48,8 +52,11 @@ from radixcache.integrations.serve.respond import respond
 logger = logging.getLogger("radixcache.serve")
 
 
-def _error_response(state, exc: APIError) -> JSONResponse:
+def _error_response(state, exc: APIError, path: str = "") -> JSONResponse:
     state.metrics.observe_rejected(exc.status)
+    if anthropic_messages.is_messages_path(path):
+        status, body = anthropic_messages.error_body(exc)
+        return JSONResponse(body, status_code=status, headers=exc.headers)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
@@ -75,24 +82,25 @@ def create_app(state) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return _error_response(state, exc)
+        return _error_response(state, exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc):
-        return _error_response(state, bad_request(f"invalid request: {exc.errors()[0].get('msg', exc)}"))
+        return _error_response(state, bad_request(f"invalid request: {exc.errors()[0].get('msg', exc)}"),
+                               request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
         if exc.status_code == 404:
-            return _error_response(state, route_not_found(request.url.path))
+            return _error_response(state, route_not_found(request.url.path), request.url.path)
         if exc.status_code == 405:
-            return _error_response(state, method_not_allowed(request.method, request.url.path))
-        return _error_response(state, APIError(exc.status_code, str(exc.detail)))
+            return _error_response(state, method_not_allowed(request.method, request.url.path), request.url.path)
+        return _error_response(state, APIError(exc.status_code, str(exc.detail)), request.url.path)
 
     @app.exception_handler(Exception)
     async def unexpected(request, exc):
         logger.exception("unexpected error on %s", request.url.path)
-        return _error_response(state, internal(f"internal error: {type(exc).__name__}"))
+        return _error_response(state, internal(f"internal error: {type(exc).__name__}"), request.url.path)
 
     def authorize(request: Request) -> str | None:
         headers = request.headers
@@ -130,6 +138,18 @@ def create_app(state) -> FastAPI:
         key = authorize(request)
         job = await openai_completions.completion_job(state, parse_completion_request(await _json_body(request)), key)
         return await respond(state, job, request, openai_completions.body, openai_completions.chunks)
+
+    @app.post(anthropic_messages.PATH, openapi_extra=bodies.body(MessagesRequest))
+    async def messages(request: Request):
+        key = authorize(request)
+        req = parse_messages_request(await _json_body(request))
+        job, reply = await anthropic_messages.messages_job(state, req, key)
+        return await respond(state, job, request, reply.body, reply.events)
+
+    @app.post(anthropic_messages.PATH + "/count_tokens", openapi_extra=bodies.body(CountTokensRequest))
+    async def count_tokens(request: Request):
+        key = authorize(request)
+        return await anthropic_messages.count_tokens(state, parse_count_tokens_request(await _json_body(request)), key)
 
     bodies.install(app)
     return app

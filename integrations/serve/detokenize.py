@@ -6,7 +6,7 @@ is what ``tokenizer.decode(ids, skip_special_tokens=True)`` gives, delivered inc
 character split over several byte tokens is sent only once it is whole. Stop token ids (EOS) are
 never decoded. When a stop string appears, the text ends right before it (OpenAI leaves the stop
 string out; of several, the one that is complete first, reading the text left to right) and
-``stopped`` becomes True; until then, a tail that could still grow into a stop
+``stopped`` becomes True (``stop_string`` is the one that matched); until then, a tail that could still grow into a stop
 string is held back, so nothing sent ever has to be taken back.
 """
 
@@ -26,6 +26,7 @@ class TextAssembler:
         self.text = ""  # decoded so far (the stop string and anything after it cut off)
         self.sent = 0  # characters of ``text`` already returned
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once stopped
         self._prefix = 0  # ids[_prefix:_read] decode to the text just before the unread ids
         self._read = 0
 
@@ -59,9 +60,10 @@ class TextAssembler:
     def _add(self, delta: str, final: bool = False) -> str:
         start = max(0, len(self.text) - max((len(s) for s in self.stop_strings), default=0) + 1)
         self.text += delta
-        hits = [(p + len(s), p) for s in self.stop_strings if (p := self.text.find(s, start)) >= 0]
+        hits = [(p + len(s), p, s) for s in self.stop_strings if (p := self.text.find(s, start)) >= 0]
         if hits:  # the stop string completed first wins (so the cut does not depend on token size)
-            self.text = self.text[:min(hits)[1]]
+            _, cut, self.stop_string = min(hits)
+            self.text = self.text[:cut]
             self.stopped = True
             end = len(self.text)
         else:

@@ -204,5 +204,6 @@ class Generation:
                                             time.perf_counter() - job.arrival)
         if job.conversation is None or job.choices != 1:
             return  # with n > 1 the client echoes one of several replies: nothing to precompute
-        task = self.state.spawn(precompute_history(self.state, job, first.tokens, first.message()))
+        reply = first.message() if job.reply_form is None else job.reply_form(first.message())
+        task = self.state.spawn(precompute_history(self.state, job, first.tokens, reply))
         self.state.pending_histories.add(task, job.conversation, job.salt)

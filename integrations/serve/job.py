@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from radixcache.engine import Request, SamplingParams
 from radixcache.engine.request import check_vocabulary
@@ -52,7 +52,10 @@ class Job:
     ``protocol`` names the adapter ("chat", "completion", ...); ``choices`` how many choices the
     answer has (``fanout``: one greedy engine sample stands for all of them); ``conversation`` is
     set for a chat (its reply's history form is precomputed); ``parse_tools``: tool calls are
-    parsed out of the reply. ``arrival`` starts the TTFT clock.
+    parsed out of the reply. ``reply_form`` maps the reply (the OpenAI assistant message) to the
+    message the protocol's client sends back next turn, in the same internal form (None: the
+    reply as it is), so that the history form is what the next request renders. ``arrival``
+    starts the TTFT clock.
     """
 
     protocol: str
@@ -64,6 +67,7 @@ class Job:
     include_usage: bool = False
     conversation: Conversation | None = None
     parse_tools: bool = False
+    reply_form: Callable[[dict], dict] | None = None
     arrival: float = field(default_factory=time.perf_counter)
 
     @property
@@ -107,12 +111,13 @@ def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api
             n: int = 1, seed: int | None = None, stop=(), stream: bool = False, include_usage: bool = False,
             keep_s: float | None = None, conversation: Conversation | None = None,
             parse_tools: bool = False, clamp_max_tokens: bool = False,
-            constraint: OutputConstraint | None = None) -> Job:
+            constraint: OutputConstraint | None = None,
+            reply_form: Callable[[dict], dict] | None = None) -> Job:
     """The ``Job`` for a prompt and its settings (see the module docstring); raises ``APIError`` 400
     naming what cannot be served (the response id is ``id_prefix-<hex>``). ``max_tokens`` is capped
     by ``--max-output-tokens``; over what the context leaves it is a 400, or, with
     ``clamp_max_tokens`` (protocols whose cap is only a ceiling), lowered to it. ``constraint`` is
-    what the output must satisfy (``constraints.py``)."""
+    what the output must satisfy (``constraints.py``); ``reply_form`` see ``Job``."""
     if constraint is not None:
         raise bad_request(f"constrained output ({constraint.kind}) is not supported by this server yet")
     limits = state.limits
@@ -134,7 +139,8 @@ def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api
                           cache_salt=salt_of(state, api_key), keep_s=keep_s)
     except (TypeError, ValueError) as exc:
         raise bad_request(str(exc)) from None
-    return Job(protocol, model, request, n, tuple(stop), stream, include_usage, conversation, parse_tools)
+    return Job(protocol, model, request, n, tuple(stop), stream, include_usage, conversation, parse_tools,
+               reply_form)
 
 
 def history_request(token_ids, salt: str | None, keep_s: float | None) -> Request:

@@ -63,6 +63,11 @@ def resolve_model(requested: str | None, served_names) -> str:
     return requested
 
 
+def max_prompt_tokens(max_context: int, pool_tokens: int | None) -> int:
+    """The longest prompt ``max_new_tokens`` accepts: one token must still fit the context and the pool."""
+    return min(max_context, pool_tokens if pool_tokens is not None else max_context) - 1
+
+
 def max_new_tokens(prompt_tokens: int, requested: int | None, max_context: int,
                    pool_tokens: int | None, cap: int | None = None, clamp: bool = False) -> int:
     """How many tokens a request may generate; raises ``APIError`` 400 when it cannot be served.

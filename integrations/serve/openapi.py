@@ -11,35 +11,40 @@ refer to) under ``components.schemas``. The document is generated once, on first
 from __future__ import annotations
 
 from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
 
 _REF = "#/components/schemas/{model}"
 
 
 class BodySchemas:
-    """The request-body models of one app's routes (see the module docstring)."""
+    """The request-body models of one app's routes (see the module docstring). Models of different
+    protocols may share a class name (chat's and Anthropic's ``Tool``): the schemas are generated
+    together, and pydantic gives colliding names their module's prefix."""
 
     def __init__(self):
-        self.schemas: dict = {}
+        self.models: list = []  # (model, the route's schema dict, filled in by install)
 
     def body(self, model, description: str | None = None) -> dict:
         """``openapi_extra`` for a route whose JSON body is validated by ``model`` (a pydantic model)."""
-        schema = model.model_json_schema(ref_template=_REF)
-        self.schemas.update(schema.pop("$defs", {}))
-        self.schemas[model.__name__] = schema
-        content = {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}
-        body = {"required": True, "content": content}
+        schema: dict = {}
+        self.models.append((model, schema))
+        body = {"required": True, "content": {"application/json": {"schema": schema}}}
         if description:
             body["description"] = description
         return {"requestBody": body}
 
     def install(self, app) -> None:
         """Serve ``app``'s document with these schemas in it."""
+        refs, document_defs = models_json_schema([(m, "validation") for m, _ in self.models], ref_template=_REF)
+        for model, schema in self.models:
+            schema.update(refs[(model, "validation")])
+        schemas = document_defs.get("$defs", {})
 
         def document() -> dict:
             if app.openapi_schema is None:
                 doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                                   description=app.description or None)
-                doc.setdefault("components", {}).setdefault("schemas", {}).update(self.schemas)
+                doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
                 app.openapi_schema = doc
             return app.openapi_schema
 

@@ -190,37 +190,39 @@ class CompletionRequest(_Sampling):
 
 
 # ---------------------------------------------------------------------- parsing
-def _field_path(loc) -> str:
+def _field_path(loc, tags=ROLES) -> str:
     """``messages.2.content`` from pydantic's loc, without the union tags it inserts (the role)."""
     parts = []
     for i, part in enumerate(loc):
-        if i and isinstance(loc[i - 1], int) and part in ROLES:
+        if i and isinstance(loc[i - 1], int) and part in tags:
             continue
         parts.append(str(part))
     return ".".join(parts)
 
 
-def _as_api_error(exc: ValidationError) -> APIError:
+def _as_api_error(exc: ValidationError, tags=ROLES) -> APIError:
     first = exc.errors(include_url=False)[0]
-    loc = _field_path(first["loc"])
+    loc = _field_path(first["loc"], tags)
     message = first["msg"].removeprefix("Value error, ")
     return bad_request(f"{loc}: {message}" if loc else message, param=loc or None)
 
 
-def _parse(model: type[BaseModel], obj):
+def parse_body(model: type[BaseModel], obj, tags=ROLES):
+    """``model`` validated from a decoded JSON body; ``APIError`` 400 naming the first bad field
+    (its dotted path, leaving out the discriminator ``tags`` pydantic puts after a list index)."""
     if not isinstance(obj, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
-        raise _as_api_error(exc) from None
+        raise _as_api_error(exc, tags) from None
 
 
 def parse_chat_request(obj) -> ChatCompletionRequest:
     """The validated chat request of a decoded JSON body; ``APIError`` 400 otherwise."""
-    return _parse(ChatCompletionRequest, obj)
+    return parse_body(ChatCompletionRequest, obj)
 
 
 def parse_completion_request(obj) -> CompletionRequest:
     """The validated completion request of a decoded JSON body; ``APIError`` 400 otherwise."""
-    return _parse(CompletionRequest, obj)
+    return parse_body(CompletionRequest, obj)
