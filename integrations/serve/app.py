@@ -4,8 +4,9 @@
 
 - ``GET /health``: 200 ``{"status": "ok"}`` when an engine is attached, else 503 (error shape);
 - ``GET /metrics``: Prometheus text (open, like vLLM's, for scrapers);
-- ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``: behind the API key
-  when the server has keys (a bearer or ``x-api-key``, the same key either way).
+- ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+  with ``GET`` / ``DELETE /v1/responses/{id}`` (stored responses): behind the API key when the
+  server has keys (a bearer or ``x-api-key``, the same key either way).
 
 Every error is OpenAI's ``{"error": {...}}`` with the right status: 400 for malformed JSON and
 invalid fields (never FastAPI's 422), for prompts longer than the context or the pool; 401 without
@@ -20,17 +21,20 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixcache.integrations.serve import openai_completions
+from radixcache.integrations.serve import openai_completions, openai_responses
 from radixcache.integrations.serve import responses as R
 from radixcache.integrations.serve.errors import (APIError, bad_request, internal, method_not_allowed,
                                                   route_not_found, unavailable)
+from radixcache.integrations.serve.job import salt_of
 from radixcache.integrations.serve.limits import check_api_key
+from radixcache.integrations.serve.openai_responses_request import parse_responses_request
 from radixcache.integrations.serve.protocol import parse_chat_request, parse_completion_request
 from radixcache.integrations.serve.respond import respond
 
@@ -112,5 +116,25 @@ def create_app(state) -> FastAPI:
         key = authorize(request)
         job = await openai_completions.completion_job(state, parse_completion_request(await _json_body(request)), key)
         return await respond(state, job, request, openai_completions.body, openai_completions.chunks)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        key = authorize(request)
+        job, turn = await openai_responses.responses_job(state, parse_responses_request(await _json_body(request)), key)
+        return await respond(state, job, request, partial(openai_responses.body, state, turn),
+                             partial(openai_responses.events, state, turn))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        stored = state.responses.get(response_id, salt_of(state, authorize(request)))
+        if stored is None:
+            raise openai_responses.not_found(response_id)
+        return stored.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        if not state.responses.delete(response_id, salt_of(state, authorize(request))):
+            raise openai_responses.not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     return app

@@ -52,7 +52,9 @@ class Job:
     ``protocol`` names the adapter ("chat", "completion", ...); ``choices`` how many choices the
     answer has (``fanout``: one greedy engine sample stands for all of them); ``conversation`` is
     set for a chat (its reply's history form is precomputed); ``parse_tools``: tool calls are
-    parsed out of the reply. ``arrival`` starts the TTFT clock.
+    parsed out of the reply; ``history_form``: the reply's history form is precomputed and the next
+    turn's hit checked against it (False when the next turn continues the job's own tokens, as a
+    stored Responses turn does). ``arrival`` starts the TTFT clock.
     """
 
     protocol: str
@@ -64,6 +66,7 @@ class Job:
     include_usage: bool = False
     conversation: Conversation | None = None
     parse_tools: bool = False
+    history_form: bool = True
     arrival: float = field(default_factory=time.perf_counter)
 
     @property
