@@ -142,11 +142,17 @@ async def responses_job(state, req, key: str | None):
     else:
         conversation = Conversation(instructions + new, tools)
         prompt_ids = (await render_conversation(state, conversation, key)).token_ids
-    job = new_job(state, "responses", model, prompt_ids, id_prefix="resp", api_key=key,
-                  max_tokens=req.max_output_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                  top_p=1.0 if req.top_p is None else req.top_p, stream=req.stream, retain_s=req.retain_s,
-                  conversation=conversation, parse_tools=bool(tools) and req.tool_choice != "none",
-                  clamp_max_tokens=True, constraint=_constraint(req, tools))
+    try:
+        job = new_job(state, "responses", model, prompt_ids, id_prefix="resp", api_key=key,
+                      max_tokens=req.max_output_tokens,
+                      temperature=1.0 if req.temperature is None else req.temperature,
+                      top_p=1.0 if req.top_p is None else req.top_p, stream=req.stream, retain_s=req.retain_s,
+                      conversation=conversation, parse_tools=bool(tools) and req.tool_choice != "none",
+                      clamp_max_tokens=True, constraint=_constraint(req, tools))
+    except APIError as exc:
+        if exc.param in ("messages", "prompt"):  # chat's names for what this protocol calls input
+            exc.param = "input"
+        raise
     job.history_form = history
     return job, Turn(req, past + new, int(time.time()))
 
