@@ -1,0 +1,114 @@
+"""Codex (the real pinned CLI, headless, in the loopback-only sandbox) against ``radixcache serve``.
+
+A two-call session, ``codex exec`` then ``codex exec resume --last``: Codex speaks only the
+Responses API, streams, sends ``store: false`` and resends every earlier item (its ids, our ids,
+our arguments) on each request. Every request after the first must read its prompt from the cache
+as far as an earlier request's prompt and output cover it (the ideal, from ``--log-token-ids``),
+which for a stateless client means through each reply's history form.
+
+- trimmed (one-line instructions, three function tools) on the embedded SmolLM2 (8k context);
+- untrimmed (Codex's own instructions, tools with a ``namespace`` and ``web_search``, about 9k
+  tokens) on a tiny random model with a 32k context and the embedded tokenizer, whose every reply
+  is an immediate end of turn (so each turn completes).
+
+A missing binary or sandbox fails (``agent_clients``), never skips.
+"""
+
+import json
+import subprocess
+import sys
+
+import torch
+import transformers as tf
+
+from agent_clients import Sandbox, codex_argv, codex_env, codex_home
+from radixcache.integrations.serve.token_log import read_token_log
+from radixcache.tokens import common_prefix
+from serve_helpers import write_model_dir
+
+BS = 16
+PORT = 8000
+MODEL = "smollm2"
+
+
+def ideal_hits(lines) -> list:
+    """Per request: the longest prefix of its prompt that an earlier request's prompt plus output
+    covered, capped at the prompt minus one token, in whole blocks."""
+    out = []
+    for i, line in enumerate(lines):
+        prompt = line["prompt_ids"]
+        covered = max((common_prefix(prompt, e["prompt_ids"] + e["output_ids"][0]) for e in lines[:i]), default=0)
+        out.append(min(covered, len(prompt) - 1) // BS * BS)
+    return out
+
+
+def serve_argv(log, *extra) -> list:
+    return [sys.executable, "-m", "radixcache.app.cli", "serve", "--port", str(PORT), "--served-model-name", MODEL,
+            "--api-key", "test-key", "--log-token-ids", str(log), "--block-size", str(BS), *map(str, extra)]
+
+
+def two_calls(tmp_path, server_argv, trimmed: bool, prompts=("Say hi.", "Say bye.")) -> list:
+    """Run ``codex exec`` then ``codex exec resume --last`` against the server; the token log."""
+    log, work = tmp_path / "tokens.jsonl", tmp_path / "work"
+    work.mkdir()
+    with Sandbox() as sandbox:
+        sandbox.start_server(server_argv, tmp_path / "server.log", port=PORT, timeout=300)
+        home = codex_home(tmp_path / "home", f"http://127.0.0.1:{PORT}", MODEL)
+        runs = [sandbox.run(codex_argv(prompt, home, trimmed=trimmed, resume=resume), env=codex_env(home), cwd=work,
+                            stdin=subprocess.DEVNULL, timeout=600)
+                for prompt, resume in zip(prompts, (False, True))]
+    server_log = (tmp_path / "server.log").read_text(errors="replace")
+    for run in runs:
+        assert run.returncode == 0, run.stdout + run.stderr + server_log[-3000:]
+        events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+        assert events[-1]["type"] == "turn.completed", run.stdout
+    lines = read_token_log(log)
+    assert lines and all(line["protocol"] == "responses" for line in lines)
+    return lines
+
+
+def report(lines) -> list:
+    rows = [(len(line["prompt_ids"]), line["cached_tokens"], ideal) for line, ideal in zip(lines, ideal_hits(lines))]
+    print("prompt / cached / ideal per request:", rows)
+    return rows
+
+
+def test_codex_trimmed_on_smollm2_reads_the_second_call_from_the_cache(tmp_path):
+    lines = two_calls(tmp_path, serve_argv(tmp_path / "tokens.jsonl", "--max-cache-tokens", 16384,
+                                           "--max-output-tokens", 256), trimmed=True)
+    rows = report(lines)
+    assert len(rows) >= 2
+    for prompt, cached, ideal in rows[1:]:
+        assert cached >= 0.95 * ideal, rows
+    # the resume call's first request carries the whole first call again: most of it is cached
+    prompt, cached, _ = rows[-1]
+    assert cached >= 0.8 * prompt, rows
+
+
+def eos_model_dir(path):
+    """A tiny random Llama (32k context, the embedded tokenizer) whose every next token is EOS: its
+    layers add nothing to the residual (their K/V are still computed and cached), the final norm
+    keeps one coordinate, and only EOS's output row reads it."""
+    write_model_dir(path, max_positions=32768, weights=True)
+    model = tf.LlamaForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[2, 0] = 10.0
+    model.save_pretrained(path)
+    return path
+
+
+def test_codex_untrimmed_on_a_32k_model_is_accepted_and_the_second_call_hits_the_first(tmp_path):
+    model = eos_model_dir(tmp_path / "tiny-32k")
+    lines = two_calls(tmp_path, serve_argv(tmp_path / "tokens.jsonl", "--model", model, "--max-cache-tokens", 65536,
+                                           "--max-output-tokens", 16), trimmed=False)
+    rows = report(lines)
+    assert rows[0][0] > 8192, rows  # the whole untrimmed request, past an 8k context
+    for prompt, cached, ideal in rows[1:]:
+        assert cached >= 0.95 * ideal and ideal >= 0.9 * rows[0][0], rows
