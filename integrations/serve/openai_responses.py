@@ -71,8 +71,9 @@ def continued_prompt(renderer, stored_ids, messages: list, tools) -> tuple | Non
 
 @dataclass
 class Turn:
-    """What the adapter keeps around one response: the request, the conversation it continues
-    (messages without the instructions), and where each function came from."""
+    """What the adapter keeps around one response: the request (its ``namespaces`` say where each
+    function came from), the conversation (messages without the instructions: the stored
+    conversation it continues, then the new items) and the creation time."""
 
     req: object
     messages: list
