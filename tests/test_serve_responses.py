@@ -332,3 +332,44 @@ def test_a_required_tool_choice_is_enforced(served, client):
     r = client.responses.create(model="m", input="Anything.", tools=TOOLS, tool_choice="required",
                                 parallel_tool_calls=False, max_output_tokens=60)
     assert [i.type for i in r.output] == ["function_call"]
+
+
+def test_a_model_failure_mid_stream_ends_with_response_failed(tmp_path):
+    """The model raises after the first tokens: the stream ends with ``response.failed`` carrying
+    the error, nothing is stored, nothing leaks, and the server serves the next request."""
+    directory = write_model_dir(tmp_path / "tiny", max_positions=512, weights=True)
+    server = Served(directory)
+    forward = server.model.forward
+
+    def failing(*args, **kwargs):
+        positions = kwargs.get("position_ids")
+        if positions is not None and positions.numel() == 1 and int(positions.max()) > 40:
+            raise RuntimeError("the device fell over")
+        return forward(*args, **kwargs)
+
+    try:
+        server.model.forward = failing
+        raw = httpx.post(server.base_url + "/v1/responses", timeout=60,
+                         json={"input": "Tell me a story.", "max_output_tokens": 50, "stream": True})
+        events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: ")]
+        assert raw.status_code == 200 and events[-1]["type"] == "response.failed", raw.text
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and "the device fell over" in failed["error"]["message"]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert httpx.get(server.base_url + f"/v1/responses/{failed['id']}").status_code == 404
+        server.assert_clean()
+        server.model.forward = forward
+        assert server.client().responses.create(input="Again.", max_output_tokens=3).status == "incomplete"
+    finally:
+        server.model.forward = forward
+        server.stop()
+
+
+def test_a_client_that_leaves_mid_stream_stores_nothing_and_holds_nothing(served):
+    with httpx.stream("POST", served.base_url + "/v1/responses", headers={"authorization": f"Bearer {KEY}"},
+                      json={"input": "Ramble on.", "max_output_tokens": 400, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+    rid = json.loads(first[6:])["response"]["id"]
+    served.assert_clean()
+    assert httpx.get(served.base_url + f"/v1/responses/{rid}", headers={"x-api-key": KEY}).status_code == 404
