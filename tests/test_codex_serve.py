@@ -6,7 +6,9 @@ our arguments) on each request. Every request after the first must read its prom
 as far as an earlier request's prompt and output cover it (the ideal, from ``--log-token-ids``),
 which for a stateless client means through each reply's history form.
 
-- trimmed (one-line instructions, three function tools) on the embedded SmolLM2 (8k context);
+- trimmed (one-line instructions, three function tools) on the embedded SmolLM2 (8k context); Codex
+  sends no temperature, so SmolLM2 samples, and a turn may end at the server's output cap (Codex
+  then reports the turn incomplete, and still resends that reply on the next call);
 - untrimmed (Codex's own instructions, tools with a ``namespace`` and ``web_search``, about 9k
   tokens) on a tiny random model with a 32k context and the embedded tokenizer, whose every reply
   is an immediate end of turn (so each turn completes).
@@ -47,8 +49,13 @@ def serve_argv(log, *extra) -> list:
             "--api-key", "test-key", "--log-token-ids", str(log), "--block-size", str(BS), *map(str, extra)]
 
 
-def two_calls(tmp_path, server_argv, trimmed: bool, prompts=("Say hi.", "Say bye.")) -> list:
-    """Run ``codex exec`` then ``codex exec resume --last`` against the server; the token log."""
+CAPPED = "Incomplete response returned, reason: max_output_tokens"
+
+
+def two_calls(tmp_path, server_argv, trimmed: bool, prompts=("Say hi.", "Say bye."), capped_ok=False) -> list:
+    """Run ``codex exec`` then ``codex exec resume --last`` against the server; the token log.
+    Each turn must complete, or with ``capped_ok`` (a sampling model may talk up to the server's
+    ``--max-output-tokens``) fail only because the reply reached that cap."""
     log, work = tmp_path / "tokens.jsonl", tmp_path / "work"
     work.mkdir()
     with Sandbox() as sandbox:
@@ -59,9 +66,10 @@ def two_calls(tmp_path, server_argv, trimmed: bool, prompts=("Say hi.", "Say bye
                 for prompt, resume in zip(prompts, (False, True))]
     server_log = (tmp_path / "server.log").read_text(errors="replace")
     for run in runs:
-        assert run.returncode == 0, run.stdout + run.stderr + server_log[-3000:]
         events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-        assert events[-1]["type"] == "turn.completed", run.stdout
+        capped = capped_ok and events and events[-1] == {"type": "turn.failed", "error": {"message": CAPPED}}
+        assert run.returncode == 0 or capped, run.stdout + run.stderr + server_log[-3000:]
+        assert events[-1]["type"] == "turn.completed" or capped, run.stdout
     lines = read_token_log(log)
     assert lines and all(line["protocol"] == "responses" for line in lines)
     return lines
@@ -75,11 +83,11 @@ def report(lines) -> list:
 
 def test_codex_trimmed_on_smollm2_reads_the_second_call_from_the_cache(tmp_path):
     lines = two_calls(tmp_path, serve_argv(tmp_path / "tokens.jsonl", "--max-cache-tokens", 16384,
-                                           "--max-output-tokens", 256), trimmed=True)
+                                           "--max-output-tokens", 64), trimmed=True, capped_ok=True)
     rows = report(lines)
     assert len(rows) >= 2
-    for prompt, cached, ideal in rows[1:]:
-        assert cached >= 0.95 * ideal, rows
+    for prompt, cached, ideal in rows[1:]:  # the target is 95 % of the ideal; the history form gives all
+        assert cached >= ideal, rows
     # the resume call's first request carries the whole first call again: most of it is cached
     prompt, cached, _ = rows[-1]
     assert cached >= 0.8 * prompt, rows
@@ -111,4 +119,4 @@ def test_codex_untrimmed_on_a_32k_model_is_accepted_and_the_second_call_hits_the
     rows = report(lines)
     assert rows[0][0] > 8192, rows  # the whole untrimmed request, past an 8k context
     for prompt, cached, ideal in rows[1:]:
-        assert cached >= 0.95 * ideal and ideal >= 0.9 * rows[0][0], rows
+        assert cached >= ideal and ideal >= 0.9 * rows[0][0], rows
