@@ -75,6 +75,15 @@ def two_calls(tmp_path, server_argv, trimmed: bool, prompts=("Say hi.", "Say bye
     return lines
 
 
+def assert_each_request_hits_the_one_before(lines) -> None:
+    """Codex resends our items as we issued them: each request reads the previous request's prompt
+    and reply from the cache (through the reply's history form where the model's tokens differ
+    from the template's text), in whole blocks."""
+    for before, line in zip(lines, lines[1:]):
+        computed = len(before["prompt_ids"]) + len(before["output_ids"][0]) - 1
+        assert line["cached_tokens"] >= computed // BS * BS, (before["cached_tokens"], line["cached_tokens"], computed)
+
+
 def report(lines) -> list:
     rows = [(len(line["prompt_ids"]), line["cached_tokens"], ideal) for line, ideal in zip(lines, ideal_hits(lines))]
     print("prompt / cached / ideal per request:", rows)
@@ -86,6 +95,7 @@ def test_codex_trimmed_on_smollm2_reads_the_second_call_from_the_cache(tmp_path)
                                            "--max-output-tokens", 64), trimmed=True, capped_ok=True)
     rows = report(lines)
     assert len(rows) >= 2
+    assert_each_request_hits_the_one_before(lines)
     for prompt, cached, ideal in rows[1:]:  # the target is 95 % of the ideal; the history form gives all
         assert cached >= ideal, rows
     # the resume call's first request carries the whole first call again: most of it is cached
@@ -118,5 +128,6 @@ def test_codex_untrimmed_on_a_32k_model_is_accepted_and_the_second_call_hits_the
                                            "--max-output-tokens", 16), trimmed=False)
     rows = report(lines)
     assert rows[0][0] > 8192, rows  # the whole untrimmed request, past an 8k context
+    assert_each_request_hits_the_one_before(lines)
     for prompt, cached, ideal in rows[1:]:
         assert cached >= ideal and ideal >= 0.9 * rows[0][0], rows
