@@ -19,6 +19,7 @@ A missing binary or sandbox fails (``agent_clients``), never skips.
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import transformers as tf
@@ -72,6 +73,7 @@ def two_calls(tmp_path, server_argv, trimmed: bool, prompts=("Say hi.", "Say bye
         assert events[-1]["type"] == "turn.completed" or capped, run.stdout
     lines = read_token_log(log)
     assert lines and all(line["protocol"] == "responses" for line in lines)
+    two_calls.events = [[json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")] for run in runs]
     return lines
 
 
@@ -131,3 +133,25 @@ def test_codex_untrimmed_on_a_32k_model_is_accepted_and_the_second_call_hits_the
     assert_each_request_hits_the_one_before(lines)
     for prompt, cached, ideal in rows[1:]:
         assert cached >= ideal and ideal >= 0.9 * rows[0][0], rows
+
+
+def test_codex_tool_round_trip_on_a_scripted_model_hits_every_turn(tmp_path):
+    """Codex runs the call the model makes (``exec_command``), sends its output back with our
+    ``function_call`` echoed, and resumes: three requests, each reading all of the one before."""
+    model = write_model_dir(tmp_path / "tiny-8k", max_positions=8192, weights=True)
+    call = '<tool_call>{"name": "exec_command", "arguments": {"cmd": "echo hi"}}</tool_call>'
+    argv = [sys.executable, Path(__file__).resolve().parent / "scripted_serve.py", "--model", model, "--port", PORT,
+            "--log", tmp_path / "tokens.jsonl", "--rule", "Please run: echo hi", call,
+            "--rule", "Process exited", "Done.", "--rule", "Now say bye.", "Bye."]
+    lines = two_calls(tmp_path, list(map(str, argv)), trimmed=True, prompts=("Please run: echo hi", "Now say bye."))
+    rows = report(lines)
+    assert len(rows) == 3
+    first, second = two_calls.events
+    commands = [e["item"] for e in first if e["type"] == "item.completed" and e["item"].get("type") == "command_execution"]
+    assert commands and "echo hi" in commands[0]["command"] and commands[0]["aggregated_output"].strip() == "hi"
+    replies = [e["item"]["text"] for run in (first, second) for e in run
+               if e["type"] == "item.completed" and e["item"].get("type") == "agent_message"]
+    assert replies == ["Done.", "Bye."], replies
+    assert_each_request_hits_the_one_before(lines)
+    for prompt, cached, ideal in rows[1:]:
+        assert cached >= ideal, rows
