@@ -53,18 +53,21 @@ def serve_argv(log, *extra) -> list:
 CAPPED = "Incomplete response returned, reason: max_output_tokens"
 
 
-def two_calls(tmp_path, server_argv, trimmed: bool, prompts=("Say hi.", "Say bye."), capped_ok=False) -> list:
+def two_calls(tmp_path, server_argv, trimmed: bool, prompts=("Say hi.", "Say bye."), capped_ok=False,
+              read_only=False) -> list:
     """Run ``codex exec`` then ``codex exec resume --last`` against the server; the token log.
     Each turn must complete, or with ``capped_ok`` (a sampling model may talk up to the server's
-    ``--max-output-tokens``) fail only because the reply reached that cap."""
+    ``--max-output-tokens``) fail only because the reply reached that cap. ``read_only``: Codex's
+    own sandbox keeps any command a sampling model makes up from writing anything."""
     log, work = tmp_path / "tokens.jsonl", tmp_path / "work"
     work.mkdir()
     with Sandbox() as sandbox:
         sandbox.start_server(server_argv, tmp_path / "server.log", port=PORT, timeout=300)
         home = codex_home(tmp_path / "home", f"http://127.0.0.1:{PORT}", MODEL)
-        runs = [sandbox.run(codex_argv(prompt, home, trimmed=trimmed, resume=resume), env=codex_env(home), cwd=work,
-                            stdin=subprocess.DEVNULL, timeout=600)
-                for prompt, resume in zip(prompts, (False, True))]
+        guard = ["-c", 'sandbox_mode="read-only"'] if read_only else []
+        argvs = [codex_argv(prompt, home, trimmed=trimmed, resume=resume) for prompt, resume in zip(prompts, (False, True))]
+        runs = [sandbox.run(argv[:-1] + guard + argv[-1:], env=codex_env(home), cwd=work, stdin=subprocess.DEVNULL,
+                            timeout=600) for argv in argvs]
     server_log = (tmp_path / "server.log").read_text(errors="replace")
     for run in runs:
         events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
@@ -94,7 +97,7 @@ def report(lines) -> list:
 
 def test_codex_trimmed_on_smollm2_reads_the_second_call_from_the_cache(tmp_path):
     lines = two_calls(tmp_path, serve_argv(tmp_path / "tokens.jsonl", "--max-cache-tokens", 16384,
-                                           "--max-output-tokens", 64), trimmed=True, capped_ok=True)
+                                           "--max-output-tokens", 64), trimmed=True, capped_ok=True, read_only=True)
     rows = report(lines)
     assert len(rows) >= 2
     assert_each_request_hits_the_one_before(lines)

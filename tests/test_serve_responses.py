@@ -4,6 +4,7 @@ SmolLM2 template: stateless items (echoed ids, namespace and hosted tools), stor
 GET / DELETE, and every error path. The model is told what to say (``Served.say``)."""
 
 import json
+import logging
 
 import httpx
 import openai
@@ -78,9 +79,10 @@ def test_a_string_input_is_one_user_message_and_usage_counts_the_rendered_prompt
     served.assert_clean()
 
 
-def test_echoed_items_render_like_the_same_chat_and_hosted_tools_are_dropped(served, client):
+def test_echoed_items_render_like_the_same_chat_and_hosted_tools_are_dropped(served, client, caplog):
     """Codex's shape: a developer message first, items with ids and statuses, a function call and
     its output; a namespace tool flattened, web_search dropped: the prompt is chat's prompt."""
+    caplog.set_level(logging.INFO, logger="radixcache.serve")
     items = [{"type": "message", "id": "msg_a", "role": "developer", "content": [{"type": "input_text", "text": "Terse."}]},
              {"type": "message", "id": "msg_b", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
              {"type": "function_call", "status": "completed", "id": "fc_1", "name": "get_weather",
@@ -99,6 +101,7 @@ def test_echoed_items_render_like_the_same_chat_and_hosted_tools_are_dropped(ser
     assert r.output_text == "Sunny."
     assert r.usage.input_tokens == len(served.render(chat, CHAT_TOOLS))
     assert last_logged(served)[0]["prompt_ids"] == list(served.render(chat, CHAT_TOOLS))
+    assert "dropped hosted tool 'web_search'" in caplog.text
     served.assert_clean()
 
 
@@ -273,6 +276,18 @@ def test_a_streamed_tool_call_has_its_argument_events(served, client):
                      "response.function_call_arguments.delta", "response.function_call_arguments.done",
                      "response.output_item.done", "response.completed"]
     assert events[4].arguments == '{"city": "Lima"}' and final.output[0].call_id == events[5].item.call_id
+    served.assert_clean()
+
+
+def test_tool_choice_none_renders_the_tools_but_parses_no_call_and_no_tools_ignores_it(served, client):
+    messages = [{"role": "user", "content": "No calls."}]
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    served.say(messages, text, CHAT_TOOLS)
+    r = client.responses.create(model="m", input="No calls.", tools=TOOLS, tool_choice="none", temperature=0)
+    assert [i.type for i in r.output] == ["message"] and r.output_text == text
+    served.say(messages, "Fine.")
+    r = client.responses.create(model="m", input="No calls.", tool_choice="required", temperature=0)
+    assert r.output_text == "Fine." and r.tool_choice == "auto"
     served.assert_clean()
 
 
