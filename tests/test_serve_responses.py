@@ -39,6 +39,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture
 def client(served):
+    served.model.script = {}  # no test sees the reply another test told the model to say
     return served.client(api_key=KEY)
 
 
@@ -201,12 +202,14 @@ def test_a_reply_the_template_writes_differently_is_rendered_anew(served, client
     convo = question + [reply, {"role": "tool", "tool_call_id": call.call_id, "content": "hot"}]
     served.quiet()
     served.say(convo, "Hot.", CHAT_TOOLS)
+    before = metric(served.metrics(), "prefix_cache_short_hits_total", reason="previous_response_rendered_anew")
     r2 = client.responses.create(model="m", input=[{"type": "function_call_output", "call_id": call.call_id,
                                                     "output": "hot"}], tools=TOOLS, previous_response_id=r1.id,
                                  temperature=0)
     assert r2.output_text == "Hot." and last_logged(served)[0]["prompt_ids"] == list(served.render(convo, CHAT_TOOLS))
     form = history_tokens(served.state.renderer, question + [reply], CHAT_TOOLS)
     assert r2.usage.input_tokens_details.cached_tokens >= len(form) // BS * BS
+    assert metric(served.metrics(), "prefix_cache_short_hits_total", reason="previous_response_rendered_anew") == before + 1
     served.assert_clean()
 
 
@@ -316,7 +319,7 @@ def test_the_output_cap_ends_incomplete(served, client):
     ({"input": "x", "model": "other"}, 404, "model"),
     ({"input": "x " * 3000}, 400, "input"),
 ])
-def test_bad_requests_get_openai_errors(served, body, status, param):
+def test_bad_requests_get_openai_errors(served, client, body, status, param):
     r = httpx.post(served.base_url + "/v1/responses", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == status, r.text
     error = r.json()["error"]
@@ -380,7 +383,7 @@ def test_a_model_failure_mid_stream_ends_with_response_failed(tmp_path):
         server.stop()
 
 
-def test_a_client_that_leaves_mid_stream_stores_nothing_and_holds_nothing(served):
+def test_a_client_that_leaves_mid_stream_stores_nothing_and_holds_nothing(served, client):
     with httpx.stream("POST", served.base_url + "/v1/responses", headers={"authorization": f"Bearer {KEY}"},
                       json={"input": "Ramble on.", "max_output_tokens": 400, "stream": True}, timeout=60) as r:
         lines = r.iter_lines()

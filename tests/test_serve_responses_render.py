@@ -9,6 +9,7 @@ written anew) it answers None and the server renders anew.
 
 import pytest
 from hypothesis import given, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hypothesis import strategies as st
 
 from radixcache.integrations.serve.chat_template import ChatRenderer
@@ -107,3 +108,61 @@ def test_the_store_forgets_after_its_ttl_and_by_salt():
     assert store.get("b", None) is None and store.bytes == 0 and len(store) == 0
     with pytest.raises(ValueError):
         ResponseStore(max_bytes=0)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """The store against a plain model: the newest puts that fit, least recently used first out,
+    none older than the TTL, the byte count exact and within the bound."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = 0.0
+        self.store = ResponseStore(max_bytes=4 * record().nbytes + 10, ttl_s=50, clock=lambda: self.now)
+        self.model = {}  # id -> (salt, size, stored at), least recently used first
+
+    def _expire(self):
+        for rid in [r for r, (_, _, at) in self.model.items() if at <= self.now - 50]:
+            del self.model[rid]
+
+    @rule(rid=st.sampled_from("abcdef"), salt=st.sampled_from([None, "k"]), n=st.sampled_from([1, 10, 30]))
+    def put(self, rid, salt, n):
+        stored = record(salt=salt, n=n)
+        self.model.pop(rid, None)  # a put replaces what the id held, whatever its salt
+        self._expire()
+        size = stored.nbytes
+        kept = self.store.put(rid, stored)
+        assert kept == (size <= self.store.max_bytes)
+        if kept:
+            while self.model and sum(s for _, s, _ in self.model.values()) + size > self.store.max_bytes:
+                del self.model[next(iter(self.model))]
+            self.model[rid] = (salt, size, self.now)
+
+    @rule(rid=st.sampled_from("abcdef"), salt=st.sampled_from([None, "k"]))
+    def get(self, rid, salt):
+        self._expire()
+        found = self.store.get(rid, salt)
+        expected = rid in self.model and self.model[rid][0] == salt
+        assert (found is not None) == expected
+        if expected:
+            self.model[rid] = self.model.pop(rid)
+
+    @rule(rid=st.sampled_from("abcdef"), salt=st.sampled_from([None, "k"]))
+    def delete(self, rid, salt):
+        expected = rid in self.model and self.model[rid][0] == salt
+        assert self.store.delete(rid, salt) == expected
+        if expected:
+            del self.model[rid]
+
+    @rule(dt=st.sampled_from([1.0, 20.0, 60.0]))
+    def wait(self, dt):
+        self.now += dt
+
+    @invariant()
+    def bounded_and_exact(self):
+        assert self.store.bytes <= self.store.max_bytes
+        assert self.store.bytes == sum(s for _, s, _ in self.model.values())
+        assert len(self.store) == len(self.model)
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

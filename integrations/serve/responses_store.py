@@ -62,8 +62,10 @@ class ResponseStore:
         return len(self._entries)
 
     def put(self, response_id: str, stored: StoredResponse) -> bool:
-        """Keep ``stored`` under ``response_id`` as the most recent; False when it alone is too large."""
-        self.delete(response_id, stored.salt)
+        """Keep ``stored`` under ``response_id`` (replacing what the id held) as the most recent;
+        False when it alone is too large."""
+        if response_id in self._entries:
+            self._drop(response_id)
         size = stored.nbytes
         if size > self.max_bytes:
             return False
