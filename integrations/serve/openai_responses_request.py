@@ -282,7 +282,7 @@ def _as_api_error(exc: ValidationError, obj: dict) -> APIError:
     if isinstance(obj.get("input"), list):  # report the list branch of ``input``, not the string one
         errors = [e for e in errors if e["loc"][:2] != ("input", "constrained-str")] or errors
     first = errors[0]
-    loc = ".".join(str(p) for p in first["loc"] if p not in ITEM_TYPES and not str(p).startswith(
+    loc = ".".join(str(p) for p in first["loc"] if p not in ITEM_TYPES and p != "str" and not str(p).startswith(
         ("constrained-str", "list[", "function-after", "literal")))
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "union_tag_invalid":
