@@ -233,11 +233,13 @@ def test_get_delete_and_unknown_ids(served, client):
     served.assert_clean()
 
 
-def test_a_stored_response_is_found_only_with_its_own_key(tmp_path):
+def test_a_stored_response_is_found_only_with_its_own_key_and_the_server_cap_holds(tmp_path):
     directory = write_model_dir(tmp_path / "tiny", max_positions=512, weights=True)
-    server = Served(directory, api_keys=("a", "b"), isolate_cache_by_key=True)
+    server = Served(directory, api_keys=("a", "b"), isolate_cache_by_key=True, max_output_tokens=3)
     try:
         a, b = server.client(api_key="a"), server.client(api_key="b")
+        capped = a.responses.create(input="Ramble.", max_output_tokens=100)  # --max-output-tokens 3 wins
+        assert capped.status == "incomplete" and capped.usage.output_tokens == 3
         r = a.responses.create(input="hi", max_output_tokens=2)
         assert a.responses.retrieve(r.id).id == r.id
         with pytest.raises(openai.NotFoundError):
