@@ -4,7 +4,8 @@
 with the hub switched off (``HF_HUB_OFFLINE=1``), writes its output to ``log_dir/NAME.log`` and
 waits until ``GET /health`` answers 200; ``model`` is then the first name of ``GET /v1/models``.
 It raises ``RuntimeError`` (with the reason and the process stopped) when the server exits, stays
-unready past ``startup_s``, or says it has no generation engine. ``stop()`` terminates it (kills
+unready past ``startup_s``, or says it has no generation engine. ``api_key``: the bearer key
+``/v1/models`` needs (a server started with ``--api-key``). ``stop()`` terminates it (kills
 it after 20 s).
 """
 
@@ -26,8 +27,10 @@ def free_port() -> int:
 class ServerProcess:
     """A server started as a subprocess; ``model`` is the name it serves (from ``/v1/models``)."""
 
-    def __init__(self, name: str, command: list[str], log_dir: Path, startup_s: float):
+    def __init__(self, name: str, command: list[str], log_dir: Path, startup_s: float,
+                 api_key: str | None = None):
         self.name, self.port = name, int(command[command.index("--port") + 1])
+        self.api_key = api_key
         self.log = log_dir / f"{name}.log"
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
         self._log_file = open(self.log, "w")
@@ -49,7 +52,8 @@ class ServerProcess:
             try:
                 health = httpx.get(self.base + "/health", timeout=5)
                 if health.status_code == 200:
-                    return httpx.get(self.base + "/v1/models", timeout=5).json()["data"][0]["id"]
+                    headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                    return httpx.get(self.base + "/v1/models", headers=headers, timeout=5).json()["data"][0]["id"]
                 last = f"GET /health answered {health.status_code}: {health.text[:200]}"
                 if "no generation engine" in health.text:  # up, but it cannot generate: no use waiting
                     break

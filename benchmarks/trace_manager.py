@@ -23,7 +23,7 @@ from benchmarks.trace_replay import Timings, pool_blocks
 from radixcache.lifecycle.manager import CacheManager
 
 
-def replay_manager(trace, order, capacity: int, policy: str, bs: int, retain_s: float,
+def replay_manager(trace, order, capacity: int, policy: str, bs: int, keep_s: float,
                    pool_blocks: int, timings) -> dict:
     """One replay of ``trace`` through a manager of ``pool_blocks`` blocks; the calls go into
     ``timings`` (a ``trace_replay.Timings``: op 0 = admit, 1 = commit + finish)."""
@@ -48,10 +48,10 @@ def replay_manager(trace, order, capacity: int, policy: str, bs: int, retain_s: 
             hits[i] = lease.cached_tokens
             continue
         tokens, lease = flight.pop(i)
-        retain = retain_s if policy == "retention" and trace.continues[i] else None
+        keep = keep_s if policy == "retention" and trace.continues[i] else None
         t0, c0 = wall(), cpu()
         mgr.commit(lease, tokens, len(tokens) // bs * bs)
-        mgr.finish(lease, tokens, retain)
+        mgr.finish(lease, tokens, keep)
         timings.add(1, wall() - t0, cpu() - c0, len(tokens), n_in)
         if tree.cached_blocks > capacity:
             tree.evict(tree.cached_blocks - capacity)
@@ -69,7 +69,7 @@ def replay_all(trace, order, args, working_set: int, queried: int, policies, log
     for pct in sorted(args.capacities):
         capacity = max(1, round(working_set * pct / 100))
         for policy in policies:
-            r = replay_manager(trace, order, capacity, policy, bs, args.retain_s,
+            r = replay_manager(trace, order, capacity, policy, bs, args.keep_s,
                                pool_blocks(trace, bs, order, capacity), Timings())
             r.update(capacity_pct=pct, hit_rate=r["hit_tokens"] / queried)
             rows.append(r)

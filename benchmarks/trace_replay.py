@@ -6,13 +6,13 @@ Each trace (Mooncake-format JSONL given with ``--trace PATH``, and the synthetic
 at its timestamp, matches its prompt (``match``), locks and holds the matched blocks, allocates the
 rest; it finishes when its output has decoded at ``--decode-rate`` tokens/s, then ``adopt``s its
 tokens (the prompt, plus the output where the trace knows it: the agent trace), optionally
-``retain``s the node, unlocks and releases. After each finish the tree is trimmed to the capacity
+``keep``s the node, unlocks and releases. After each finish the tree is trimmed to the capacity
 (``evict``). The pool holds the capacity plus what requests in flight hold at the peak, so the
 capacity bounds the cache alone.
 
 Capacities are fractions of the working set (the trace's distinct blocks). Policies: ``lru``, and
 ``retention`` (session-aware: a turn whose session sends another turn retains its node for
-``--retain-s`` seconds; the last turn of a session retains nothing), compared on traces with
+``--keep-s`` seconds; the last turn of a session retains nothing), compared on traces with
 sessions. The ideal hit rate is that of an unbounded cache in the same event order, computed
 without the tree; at 100% the tree must reproduce it exactly, or the run fails.
 
@@ -60,7 +60,7 @@ from benchmarks.traces import (  # noqa: E402
 from radixcache import BlockAllocator, RadixCache  # noqa: E402
 from radixcache.kv_events import BlockEventLog, KVEventPublisher  # noqa: E402
 
-OPS = ("match", "insert", "evict", "lock", "unlock", "retain")
+OPS = ("match", "insert", "evict", "lock", "unlock", "keep")
 MEMORY_STEP = 250_000            # blocks between resident-memory samples
 QUICK_REQUESTS = 300             # requests of each --trace replayed with --quick
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -85,7 +85,7 @@ def tree_bytes(tree: RadixCache) -> int:
     total += sum(sys.getsizeof(d) for d in nodes.kids if d is not None)
     for tier in (recency.lru, recency.kept, recency.expiry):
         total += sum(sys.getsizeof(x) + 8 for x in tier)  # each entry and its list slot
-    total += sys.getsizeof(recency.where) + sys.getsizeof(recency.retained)
+    total += sys.getsizeof(recency.where) + sys.getsizeof(recency.deadlines)
     return total + tree.allocator.num_blocks
 
 
@@ -175,7 +175,7 @@ class Timings:
         return out
 
 
-def replay(trace: Trace, order, capacity: int, policy: str, bs: int, retain_s: float,
+def replay(trace: Trace, order, capacity: int, policy: str, bs: int, keep_s: float,
            token_form: str, sample_memory: bool, kv_events: str = "off") -> dict:
     """One replay of ``trace`` at ``capacity`` blocks under ``policy``, KV events ``off``, ``log``ged
     only or ``on`` (see the module docstring); returns its numbers."""
@@ -224,7 +224,7 @@ def replay(trace: Trace, order, capacity: int, policy: str, bs: int, retain_s: f
         timings.add(1, wall() - t0, cpu() - c0, len(tokens), n_in)
         if policy == "retention" and trace.continues[i]:
             t0, c0 = wall(), cpu()
-            tree.retain(adopted.node, t + retain_s)
+            tree.keep(adopted.node, t + keep_s)
             timings.add(5, wall() - t0, cpu() - c0, 0, n_in)
         t0, c0 = wall(), cpu()
         tree.unlock(node)
@@ -272,7 +272,7 @@ def run_trace(trace: Trace, args, log) -> dict:
                                                       "both": [True, False]}[args.gc]
                                      for e in (["off", "log", "on"] if args.kv_events else ["off"])]:
                 (gc.enable if gc_on else gc.disable)()
-                r = replay(trace, order, capacity, policy, bs, args.retain_s, args.tokens,
+                r = replay(trace, order, capacity, policy, bs, args.keep_s, args.tokens,
                            sample_memory=pct == 100 and policy == "lru" and gc_on and events_on == "off",
                            kv_events=events_on)
                 gc.enable()
@@ -394,7 +394,7 @@ def main(argv=None) -> int:
                         help="percent of the working set (default 1,5,20,100)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--decode-rate", type=float, default=50.0, help="output tokens/s (default 50)")
-    parser.add_argument("--retain-s", type=float, default=300.0,
+    parser.add_argument("--keep-s", type=float, default=300.0,
                         help="retention of a session's node after a turn (default 300 s)")
     parser.add_argument("--gc", choices=("on", "off", "both"), default="on")
     parser.add_argument("--tokens", choices=("array", "list"), default="array",
@@ -419,7 +419,7 @@ def main(argv=None) -> int:
     if not traces:
         parser.error("nothing to replay: give --trace PATH or drop --no-agent")
     print(f"trace replay: block size {args.block_size}, decode {args.decode_rate:g} tok/s, "
-          f"retention {args.retain_s:g} s, tokens as {args.tokens}, GC {args.gc}, {args.clock} clock"
+          f"retention {args.keep_s:g} s, tokens as {args.tokens}, GC {args.gc}, {args.clock} clock"
           + (" [--quick]" if args.quick else ""))
     results = []
     for trace in traces:

@@ -25,24 +25,12 @@ import torch
 import transformers as tf
 
 from agent_clients import Sandbox, codex_argv, codex_env, codex_home
-from radixcache.integrations.serve.token_log import read_token_log
-from radixcache.tokens import common_prefix
+from radixcache.integrations.serve.token_log import ideal_cached, read_token_log
 from serve_helpers import write_model_dir
 
 BS = 16
 PORT = 8000
 MODEL = "smollm2"
-
-
-def ideal_hits(lines) -> list:
-    """Per request: the longest prefix of its prompt that an earlier request's prompt plus output
-    covered, capped at the prompt minus one token, in whole blocks."""
-    out = []
-    for i, line in enumerate(lines):
-        prompt = line["prompt_ids"]
-        covered = max((common_prefix(prompt, e["prompt_ids"] + e["output_ids"][0]) for e in lines[:i]), default=0)
-        out.append(min(covered, len(prompt) - 1) // BS * BS)
-    return out
 
 
 def serve_argv(log, *extra) -> list:
@@ -90,7 +78,7 @@ def assert_each_request_hits_the_one_before(lines) -> None:
 
 
 def report(lines) -> list:
-    rows = [(len(line["prompt_ids"]), line["cached_tokens"], ideal) for line, ideal in zip(lines, ideal_hits(lines))]
+    rows = [(len(line["prompt_ids"]), line["cached_tokens"], ideal) for line, ideal in zip(lines, ideal_cached(lines, BS))]
     print("prompt / cached / ideal per request:", rows)
     return rows
 

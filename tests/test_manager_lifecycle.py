@@ -110,11 +110,11 @@ def test_finish_commits_retains_and_releases():
     now = [0.0]
     mgr = CacheManager(8, BS, pool=ContentPool(8, BS), clock=lambda: now[0])
     kept, other = list(range(1, 11)), list(range(50, 60))
-    for tokens, retain_s in ((kept, 60.0), (other, None)):
+    for tokens, keep_s in ((kept, 60.0), (other, None)):
         lease = mgr.admit(tokens)
         mgr.grow(lease, 10)
         mgr.commit(lease, tokens, 10)  # tells the manager the K/V are there
-        mgr.finish(lease, tokens, retain_s)
+        mgr.finish(lease, tokens, keep_s)
         assert lease.released
     assert mgr.stats()["cached_tokens"] == 2 * (8 + 4)  # whole blocks and the tails
     assert mgr.tree.evict(4) == 4  # both tails (never retained), then the unretained path
@@ -124,14 +124,14 @@ def test_finish_commits_retains_and_releases():
     mgr.check()
 
 
-@pytest.mark.parametrize("retain_s, error", [(-1.0, ValueError), ("soon", TypeError)])
-def test_finish_with_a_bad_retention_changes_nothing(retain_s, error):
+@pytest.mark.parametrize("keep_s, error", [(-1.0, ValueError), ("soon", TypeError)])
+def test_finish_with_a_bad_retention_changes_nothing(keep_s, error):
     mgr = CacheManager(8, BS)
     tokens = list(range(1, 10))
     lease = mgr.admit(tokens)
     mgr.grow(lease, 9)
     with pytest.raises(error):
-        mgr.finish(lease, tokens, retain_s)
+        mgr.finish(lease, tokens, keep_s)
     assert not lease.released and mgr.stats()["cached_tokens"] == 0
     mgr.finish(lease, tokens)
     with pytest.raises(CacheError, match="released"):
@@ -157,13 +157,13 @@ def test_scheduler_and_generate_end_through_finish(monkeypatch):
     calls = []
     real = CacheManager.finish
 
-    def spy(self, lease, tokens, retain_s=None):
-        calls.append(retain_s)
-        return real(self, lease, tokens, retain_s)
+    def spy(self, lease, tokens, keep_s=None):
+        calls.append(keep_s)
+        return real(self, lease, tokens, keep_s)
 
     monkeypatch.setattr(CacheManager, "finish", spy)
     engine = stub_engine(32, BS)
-    engine.add(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=2), retain_s=9.0))
+    engine.add(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=2), keep_s=9.0))
     while engine.has_work:
         engine.step()
     assert calls == [9.0]
@@ -172,7 +172,7 @@ def test_scheduler_and_generate_end_through_finish(monkeypatch):
     import radixcache
     lm = radixcache.wrap(tiny_model("llama"), block_size=BS, max_cache_tokens=512)
     calls.clear()
-    lm.generate(random_ids(9, 1, batch=2), max_new_tokens=3, do_sample=False, retain_s=5.0)
+    lm.generate(random_ids(9, 1, batch=2), max_new_tokens=3, do_sample=False, keep_s=5.0)
     assert calls == [5.0, 5.0]
 
 

@@ -290,9 +290,9 @@ class ManagerMachine(RuleBasedStateMachine):
             self.seqs.append(Seq(again, seq.tokens))
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data(), retain_s=st.sampled_from([None, 0.0, 30.0]), k=st.integers(0, NUM_BLOCKS),
+    @rule(data=st.data(), keep_s=st.sampled_from([None, 0.0, 30.0]), k=st.integers(0, NUM_BLOCKS),
           more=st.booleans())
-    def finish_inside_one_hold_of_the_lock(self, data, retain_s, k, more):
+    def finish_inside_one_hold_of_the_lock(self, data, keep_s, k, more):
         """Inside one ``with manager.mutex``: commit what is pending, ``finish`` a sequence (the
         blocks it adds are offered, the copies deferred until the lock is free), evict, and admit,
         grow and write another sequence, which may take blocks."""
@@ -302,9 +302,9 @@ class ManagerMachine(RuleBasedStateMachine):
             if getattr(seq, "pending", None):
                 self.commit(seq, max(seq.pending, lease.computed))
             computed = lease.computed
-            if retain_s:
+            if keep_s:
                 self.kept[lease.namespace].add(tuple(seq.tokens))
-            self.mgr.finish(lease, seq.tokens, retain_s)
+            self.mgr.finish(lease, seq.tokens, keep_s)
             self.seqs.remove(seq)
             self.mgr.tree.evict(k)
             if more:
@@ -319,7 +319,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.note_evictions()
         if computed >= self.bs and not self.evicted:
             self.sure[lease.namespace].add(tuple(seq.tokens[:computed // self.bs * self.bs]))
-        event(f"finish in one hold{' with retention' if retain_s else ''}")
+        event(f"finish in one hold{' with retention' if keep_s else ''}")
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())

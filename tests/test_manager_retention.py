@@ -1,4 +1,4 @@
-"""``CacheManager.retain``: session hints over the manager, and the property that a retention hint
+"""``CacheManager.keep``: session hints over the manager, and the property that a retention hint
 never changes a generated token.
 
 A stand-in model "generates" each next token from the K/V content a request actually reads (the
@@ -8,8 +8,8 @@ managers with and without hints, under memory pressure, on a hypothesis-driven c
 must equal the reference computed from the true tokens, with or without hints, whatever was
 evicted.
 
-To extend this to ``generate``/``generate_batch`` once they take ``retain_s=``: run the same
-sessions through a tiny model twice (``retain_s=None`` and a few values, with a pool small enough to
+To extend this to ``generate``/``generate_batch`` once they take ``keep_s=``: run the same
+sessions through a tiny model twice (``keep_s=None`` and a few values, with a pool small enough to
 evict) and assert equal generated token ids (and, with greedy decoding, equal to plain
 transformers, as the differential tests do).
 """
@@ -63,7 +63,7 @@ def turn(mgr, pool, tokens, namespace, generate, hint_s):
         out.append(next_token(content))
         tokens.append(out[-1])
     if hint_s is not None:
-        mgr.retain(lease, hint_s)
+        mgr.keep(lease, hint_s)
     mgr.release(lease, tokens[:lease.computed])
     mgr.check()
     return out
@@ -144,11 +144,11 @@ def test_retain_refuses_bad_durations_and_changes_nothing(bad, error):
     mgr.commit(lease, list(range(9)), 9)
     before = (mgr.tree.cached_blocks, lease.computed, list(lease.blocks), mgr.stats())
     with pytest.raises(error):
-        mgr.retain(lease, bad)
+        mgr.keep(lease, bad)
     assert (mgr.tree.cached_blocks, lease.computed, list(lease.blocks), mgr.stats()) == before
     mgr.release(lease)
     with pytest.raises(CacheError, match="released"):
-        mgr.retain(lease, 5.0)
+        mgr.keep(lease, 5.0)
     mgr.check()
 
 
@@ -160,7 +160,7 @@ def test_retain_covers_the_committed_path_on_the_managers_clock():
     mgr.grow(lease, 10)
     mgr.commit(lease, tokens, 9)                       # 2 whole blocks in the tree
     clock.now = 100.0
-    mgr.retain(lease, 5.0)
+    mgr.keep(lease, 5.0)
     assert lease.node.depth_tokens == 8 and mgr.tree.node_table.until[lease.node.id] == 105.0
     mgr.release(lease, tokens[:lease.computed])
     mgr.check()

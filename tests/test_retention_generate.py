@@ -1,4 +1,4 @@
-"""Session retention through ``generate`` and ``generate_batch`` (``retain_s=``): a hint never
+"""Session retention through ``generate`` and ``generate_batch`` (``keep_s=``): a hint never
 changes a generated token, and a retained session survives one-shot traffic that LRU would let
 evict it."""
 
@@ -32,10 +32,10 @@ def test_a_retention_hint_never_changes_a_generated_token(model, hints, order, b
         prompt = sessions[s] + random_ids(5 + turn, 60 + step)[0].tolist()
         want = plain_greedy(model, prompt, 4)
         if batch:
-            got = lm.generate_batch([prompt], max_new_tokens=4, retain_s=hints[step])[0][0]
+            got = lm.generate_batch([prompt], max_new_tokens=4, keep_s=hints[step])[0][0]
         else:
             ids = torch.tensor([prompt])
-            out = lm.generate(ids, max_new_tokens=4, do_sample=False, retain_s=hints[step])
+            out = lm.generate(ids, max_new_tokens=4, do_sample=False, keep_s=hints[step])
             got = out[0, len(prompt):].tolist()
         assert got == want
         sessions[s] = prompt + got
@@ -50,7 +50,7 @@ def test_a_retained_session_survives_one_shot_traffic(model):
         lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=128)
         session = random_ids(40, 7)[0].tolist()
         ids = torch.tensor([session])
-        lm.generate(ids, max_new_tokens=3, do_sample=False, retain_s=hint)
+        lm.generate(ids, max_new_tokens=3, do_sample=False, keep_s=hint)
         for k in range(6):  # one-shot traffic fills the pool
             lm.generate_batch([random_ids(30, 100 + k)[0].tolist()], max_new_tokens=3)
         again = session + [5, 6, 7]
@@ -64,11 +64,11 @@ def test_a_retained_session_survives_one_shot_traffic(model):
 
 @pytest.mark.parametrize("bad, error", [(-1, ValueError), ("5", TypeError), (True, TypeError),
                                         (float("inf"), ValueError)])
-def test_bad_retain_s_is_refused_before_anything_changes(model, bad, error):
+def test_bad_keep_s_is_refused_before_anything_changes(model, bad, error):
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=256)
     prompt = random_ids(10, 3)[0].tolist()
     with pytest.raises(error):
-        lm.generate(torch.tensor([prompt]), max_new_tokens=2, retain_s=bad)
+        lm.generate(torch.tensor([prompt]), max_new_tokens=2, keep_s=bad)
     with pytest.raises(error):
-        lm.generate_batch([prompt], max_new_tokens=2, retain_s=bad)
+        lm.generate_batch([prompt], max_new_tokens=2, keep_s=bad)
     assert lm.stats()["requests"] == 0 and lm.stats()["cached_tokens"] == 0

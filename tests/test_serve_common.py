@@ -81,3 +81,16 @@ def test_token_log_has_one_exact_line_per_request(served):
     expected = server.state.tokenizer("Fine.", add_special_tokens=False)["input_ids"] + [2]
     assert lines[0]["output_ids"][0] == expected
     assert lines[1]["cached_tokens"] > 0
+
+
+def test_ideal_cached_is_the_longest_covered_prefix_in_whole_blocks():
+    from radixcache.integrations.serve.token_log import ideal_cached
+
+    line = lambda prompt, *outs: {"prompt_ids": list(prompt), "output_ids": [list(o) for o in outs]}
+    lines = [line(range(10), [50, 51, 52]),
+             line(list(range(10)) + [50, 51, 52, 7, 8]),  # continues turn 1 and its reply: 13 covered
+             line(list(range(6)) + [9, 9, 9]),  # shares 6 with both
+             line(range(4)),  # wholly covered: capped at the prompt minus one, then whole blocks
+             line([])]
+    assert ideal_cached(lines, 4) == [0, 12, 4, 3, 0]
+    assert ideal_cached(lines, 1) == [0, 13, 6, 3, 0]

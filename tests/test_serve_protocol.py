@@ -54,11 +54,11 @@ def test_sampling_fields():
     assert (req.effective_temperature, req.effective_top_p, req.n, req.seed) == (0.0, 0.5, 3, 7)
     assert req.stop_strings == ["\n"] and req.max_new_tokens == 9 and req.include_usage
     assert req.prompt_cache_key == "conv-1" and req.prompt_cache_retention == "24h"
-    assert req.retain_s == 86400.0  # a day
-    retained = lambda **f: parse_chat_request({"messages": USER, **f}).retain_s  # noqa: E731
+    assert req.keep_s == 86400.0  # a day
+    retained = lambda **f: parse_chat_request({"messages": USER, **f}).keep_s  # noqa: E731
     assert retained() is None and retained(prompt_cache_key="s") == 300.0  # a key alone: in_memory
     assert retained(prompt_cache_retention="in_memory") == 300.0
-    assert parse_completion_request({"prompt": "x", "prompt_cache_retention": "24h"}).retain_s == 86400.0
+    assert parse_completion_request({"prompt": "x", "prompt_cache_retention": "24h"}).keep_s == 86400.0
     both = parse_chat_request({"messages": USER, "max_tokens": 9, "max_completion_tokens": 4})
     assert both.max_new_tokens == 4  # the newer field wins
     assert not parse_chat_request({"messages": USER, "tools": TOOLS, "tool_choice": "none"}).parses_tool_calls

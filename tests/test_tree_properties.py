@@ -30,7 +30,7 @@ A rule plays vLLM's ``test_evict`` scenario at random: a request continues a cac
 the middle of one of its blocks (the tree offers that block, or a partial tail, to copy from), then
 runs (locked, holding its prefix) or aborts at once (released without inserting).
 
-Retention (``retain(node, until)``) runs on a clock the machine drives: a rule advances it, another
+Retention (``keep(node, until)``) runs on a clock the machine drives: a rule advances it, another
 retains a locked node or a freshly matched one until a deadline that may already have passed. The
 model keeps each retained path, cut back to what is still cached after every eviction; a block on a
 live retained path is evicted only after every evictable block without one, and with no live
@@ -510,21 +510,21 @@ class CacheMachine(RuleBasedStateMachine):
         self.clock.now += dt
 
     @rule(data=st.data())
-    def retain(self, data):
+    def keep(self, data):
         """Retain a locked request's node, or the node of a fresh match, until a deadline (sometimes
         already passed)."""
-        ahead = data.draw(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.0, 5.0, 50.0]), label="retain for")
+        ahead = data.draw(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.0, 5.0, 50.0]), label="keep for")
         until = self.clock.now + ahead
-        if self.locked() and data.draw(st.booleans(), label="retain a locked node"):
+        if self.locked() and data.draw(st.booleans(), label="keep a locked node"):
             req = data.draw(st.sampled_from(self.locked()), label="request")
             ns, node, path = req.ns, req.node, req.lock_tokens
         else:
             ns = data.draw(st.sampled_from(NAMESPACES), label="namespace")
-            tokens = self.draw_tokens(data, "retain", ns)
+            tokens = self.draw_tokens(data, "keep", ns)
             m = self.do_match(tokens, ns)
             node, path = m.node, tuple(tokens[:m.length])
-        self.tree.retain(node, until)
-        event(f"retain: {'live' if ahead > 0 else 'already expired'}, {'path' if path else 'root'}")
+        self.tree.keep(node, until)
+        event(f"keep: {'live' if ahead > 0 else 'already expired'}, {'path' if path else 'root'}")
         if path:
             self.retentions.append([ns, path, until])
 

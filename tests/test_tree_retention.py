@@ -61,7 +61,7 @@ def test_a_retained_leaf_goes_after_every_unretained_one_and_before_refusing():
     old = put(tree, (1, 1, 2, 2))
     put(tree, (3, 3, 4, 4))
     put(tree, (5, 5))
-    tree.retain(old, until=10.0)
+    tree.keep(old, until=10.0)
     tree.check()
     assert tree.evict(3) == 3
     assert in_tree(tree, (1, 1, 2, 2)) == 4 and in_tree(tree, (3, 3)) == 0 and in_tree(tree, (5, 5)) == 0
@@ -76,7 +76,7 @@ def test_retention_expires_into_plain_lru_order():
     alloc, tree, clock = make()
     a = put(tree, (1, 1))
     put(tree, (2, 2))
-    tree.retain(a, until=5.0)
+    tree.keep(a, until=5.0)
     clock.now = 4.99
     assert tree.evict(1) == 1 and in_tree(tree, (1, 1)) == 2 and in_tree(tree, (2, 2)) == 0
     put(tree, (3, 3))
@@ -92,7 +92,7 @@ def test_retention_covers_the_path_and_the_parent_inherits_it():
     alloc, tree, clock = make()
     leaf = put(tree, (1, 1, 2, 2))
     put(tree, (1, 1, 3, 3))            # splits: (1,1) is now a shared parent
-    tree.retain(leaf, until=100.0)
+    tree.keep(leaf, until=100.0)
     put(tree, (9, 9))
     assert tree.evict(2) == 2          # (3,3) and (9,9): the unretained ones
     assert in_tree(tree, (1, 1, 2, 2)) == 4 and in_tree(tree, (1, 1, 3, 3)) == 2
@@ -107,7 +107,7 @@ def test_retention_covers_the_path_and_the_parent_inherits_it():
 def test_split_keeps_retention_with_the_deeper_part():
     alloc, tree, clock = make()
     node = put(tree, (1, 1, 2, 2, 3, 3))
-    tree.retain(node, until=50.0)
+    tree.keep(node, until=50.0)
     tree.match((1, 1))                 # splits the node; the handle keeps (2,2,3,3)
     put(tree, (8, 8))
     assert tree.evict(1) == 1 and in_tree(tree, (8, 8)) == 0
@@ -121,8 +121,8 @@ def test_retention_only_extends():
     alloc, tree, clock = make()
     a = put(tree, (1, 1))
     put(tree, (2, 2))
-    tree.retain(a, until=10.0)
-    tree.retain(a, until=3.0)          # an earlier deadline does not shorten it
+    tree.keep(a, until=10.0)
+    tree.keep(a, until=3.0)          # an earlier deadline does not shorten it
     clock.now = 5.0
     assert tree.evict(1) == 1 and in_tree(tree, (1, 1)) == 2
     tree.reset()
@@ -135,7 +135,7 @@ def test_retention_is_separate_from_locks():
     a = put(tree, (1, 1, 2, 2))
     b = put(tree, (3, 3))
     tree.lock(a)
-    tree.retain(a, until=10.0)
+    tree.keep(a, until=10.0)
     assert tree.pinned_blocks == 2 and tree.evictable_blocks == 1
     assert tree.evict(10) == 1 and in_tree(tree, (1, 1, 2, 2)) == 4
     tree.unlock(a)
@@ -143,7 +143,7 @@ def test_retention_is_separate_from_locks():
         tree.unlock(a)
     put(tree, (3, 3))
     assert tree.evict(1) == 1 and in_tree(tree, (1, 1, 2, 2)) == 4  # still retained after unlock
-    tree.retain(b if b.alive else tree.match((1, 1)).node, until=1.0)
+    tree.keep(b if b.alive else tree.match((1, 1)).node, until=1.0)
     tree.check()
     tree.reset()
     assert alloc.num_free == alloc.num_blocks
@@ -153,7 +153,7 @@ def test_retaining_a_namespace_root_keeps_nothing():
     alloc, tree, clock = make()
     put(tree, (1, 1))
     root = tree.match((5, 5)).node
-    tree.retain(root, until=100.0)
+    tree.keep(root, until=100.0)
     assert tree.evict(1) == 1 and alloc.num_free == alloc.num_blocks
     tree.check()
 
@@ -165,7 +165,7 @@ def test_bad_deadlines_are_refused_and_change_nothing(bad, error):
     a = put(tree, (1, 1))
     put(tree, (2, 2))
     with pytest.raises(error):
-        tree.retain(a, bad)
+        tree.keep(a, bad)
     assert tree.evict(1) == 1 and in_tree(tree, (1, 1)) == 0  # not retained
     tree.check()
     tree.reset()
@@ -176,12 +176,12 @@ def test_retain_refuses_dead_foreign_and_non_nodes():
     other = make()[1]
     a = put(tree, (1, 1))
     with pytest.raises(CacheError, match="another RadixCache"):
-        other.retain(a, 10.0)
+        other.keep(a, 10.0)
     with pytest.raises(TypeError):
-        tree.retain("node", 10.0)
+        tree.keep("node", 10.0)
     assert tree.evict(1) == 1
     with pytest.raises(CacheError, match="evicted"):
-        tree.retain(a, 10.0)
+        tree.keep(a, 10.0)
     tree.check()
 
 
@@ -189,7 +189,7 @@ def test_infinite_deadline_retains_until_pressure():
     alloc, tree, clock = make()
     a = put(tree, (1, 1))
     put(tree, (2, 2))
-    tree.retain(a, math.inf)
+    tree.keep(a, math.inf)
     clock.now = 1e12
     assert tree.evict(1) == 1 and in_tree(tree, (1, 1)) == 2
     assert tree.evict(1) == 1 and alloc.num_free == alloc.num_blocks
@@ -229,7 +229,7 @@ class Twin:
         elif op == "unlock" and self.locks:
             tree.unlock(self.locks.pop(a % len(self.locks)))
         elif op == "retain" and hints and node is not None and node.alive:
-            tree.retain(node, self.clock.now + b)
+            tree.keep(node, self.clock.now + b)
             self.latest = max(self.latest, self.clock.now + b)
         elif op == "evict":
             return tree.evict(b), alloc.refcounts().tolist()

@@ -73,7 +73,7 @@ def resolve_settings(model, explicit: dict, eos_token_id, stop_token_ids, vocab_
 
 
 def build_requests(lm, prompts, settings: dict, total, stops, n, seed, cache_salt,
-                   priority, retain_s=None) -> list[Request]:
+                   priority, keep_s=None) -> list[Request]:
     """One checked ``Request`` per prompt (nothing is added anywhere yet); ``total``: a length
     limit including the prompt, or None."""
     if isinstance(prompts, (torch.Tensor, np.ndarray)):
@@ -107,7 +107,7 @@ def build_requests(lm, prompts, settings: dict, total, stops, n, seed, cache_sal
                                  f"max_length (prompt included) is {total}: pass max_new_tokens")
             own = SamplingParams(**{**params.__dict__, "max_new_tokens": total - len(p)})
         requests.append(Request(("batch", run, i), p, own, cache_salt, priority,
-                                retain_s=retain_s))
+                                keep_s=keep_s))
     return requests
 
 

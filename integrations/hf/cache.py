@@ -234,7 +234,7 @@ class PagedCache(PlannedCache):
     """
 
     def __init__(self, owner, manager, pool, backend, rows: list, start: int, tokens_seen,
-                 eos: set, retain_s: float | None = None):
+                 eos: set, keep_s: float | None = None):
         super().__init__(pool.num_layers, dense=not hooked(owner.model))
         self.owner = owner
         self.manager = manager
@@ -245,7 +245,7 @@ class PagedCache(PlannedCache):
         self.completed = start  # columns whose K/V every layer has written
         self.tokens_seen = tokens_seen
         self.eos = eos
-        self.retain_s = retain_s
+        self.keep_s = keep_s
         self.released = False
 
     def _check(self) -> None:
@@ -329,7 +329,7 @@ class PagedCache(PlannedCache):
 
     def finish(self, sequences: torch.Tensor | None) -> None:
         """The call ended (``sequences``: transformers' output, None after an error): commit what
-        was computed and finish every lease (``CacheManager.finish``: retained ``retain_s`` after
+        was computed and finish every lease (``CacheManager.finish``: retained ``keep_s`` after
         a call that returned), and refuse any further use."""
         if self.released:
             return
@@ -340,9 +340,9 @@ class PagedCache(PlannedCache):
         with self.manager.mutex:
             try:
                 self._commit()
-                retain_s = self.retain_s if sequences is not None else None
+                keep_s = self.keep_s if sequences is not None else None
                 for row in self.rows:  # what it computed up to its first EOS, then the tail
-                    self.manager.finish(row.lease, row.tokens, retain_s)
+                    self.manager.finish(row.lease, row.tokens, keep_s)
             finally:
                 for row in self.rows:
                     if row.lease is not None and not row.lease.released:

@@ -59,7 +59,7 @@ def unsupported_call(config, mask, kwargs) -> str | None:
 
 
 def generate_paged(lm, ids: torch.Tensor, mask: torch.Tensor, config, kwargs: dict, namespace,
-                   retain_s: float | None = None):
+                   keep_s: float | None = None):
     """Run one ``generate`` call through the paged path (see the module docstring)."""
     manager = lm.manager
     pads = (mask.shape[1] - mask.sum(dim=1)).tolist()
@@ -76,7 +76,7 @@ def generate_paged(lm, ids: torch.Tensor, mask: torch.Tensor, config, kwargs: di
             for tokens, pad in zip(prompts, pads):
                 rows.append(GenerateRow(tokens, pad, manager.admit(tokens, namespace)))
             cache = PagedCache(lm, manager, lm.pool, lm.backend, rows,
-                               min(row.pad + row.lease.computed for row in rows), seen, eos, retain_s)
+                               min(row.pad + row.lease.computed for row in rows), seen, eos, keep_s)
         except BaseException:
             for row in rows:
                 manager.release(row.lease)

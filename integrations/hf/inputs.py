@@ -125,12 +125,12 @@ def eos_ids(config) -> set:
     return {int(e) for e in eos} if isinstance(eos, (list, tuple, set)) else {int(eos)}
 
 
-def checked_retain(retain_s) -> float | None:
-    """``retain_s`` as float seconds (>= 0, finite) or None; ``TypeError``/``ValueError`` otherwise."""
-    if retain_s is None:
+def checked_keep(keep_s) -> float | None:
+    """``keep_s`` as float seconds (>= 0, finite) or None; ``TypeError``/``ValueError`` otherwise."""
+    if keep_s is None:
         return None
-    if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)):
-        raise TypeError(f"retain_s must be a number of seconds or None, got {retain_s!r}")
-    if not 0 <= retain_s < float("inf"):
-        raise ValueError(f"retain_s must be finite and >= 0, got {retain_s!r}")
-    return float(retain_s)
+    if isinstance(keep_s, bool) or not isinstance(keep_s, (int, float)):
+        raise TypeError(f"keep_s must be a number of seconds or None, got {keep_s!r}")
+    if not 0 <= keep_s < float("inf"):
+        raise ValueError(f"keep_s must be finite and >= 0, got {keep_s!r}")
+    return float(keep_s)

@@ -24,7 +24,7 @@ from radixcache.integrations.hf.cache import PagedCache
 from radixcache.integrations.hf.generate import generate_paged, unsupported_call
 from radixcache.integrations.hf.identity import kv_geometry, model_identity
 from radixcache.integrations.hf.inputs import (check_wrap_arguments, checked_generation_config,
-                                               checked_retain, passed_caches, prompt_tensors,
+                                               checked_keep, passed_caches, prompt_tensors,
                                                split_mapping)
 from radixcache.integrations.hf.resources import default_cache_tokens, open_store, unsupported_reason
 from radixcache.integrations.hf.runner import HFModelRunner
@@ -147,12 +147,12 @@ class CachedLM:
 
     # ------------------------------------------------------------------ generate
     def generate(self, input_ids=None, attention_mask=None, cache_salt: str | None = None,
-                 retain_s: float | None = None, **kwargs):
+                 keep_s: float | None = None, **kwargs):
         """``model.generate`` with prefix caching: same arguments, same return type, same tokens.
 
         ``input_ids`` may also be a mapping such as a ``BatchEncoding`` (its ``input_ids`` and
         ``attention_mask``); masks may be int, bool or float. ``cache_salt`` (a str) isolates
-        tenants. ``retain_s`` (seconds) hints that the conversation comes back within that time (an
+        tenants. ``keep_s`` (seconds) hints that the conversation comes back within that time (an
         agent waiting on a tool): its prefix is then evicted only after every prefix without a live
         hint (soft: never refused for it, tokens never change). The ``PagedCache`` in a dict
         output's ``cache`` is released when the call returns: pass it back here as ``cache=`` or
@@ -165,7 +165,7 @@ class CachedLM:
         """
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
-        retain_s = checked_retain(retain_s)
+        keep_s = checked_keep(keep_s)
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)
         input_ids, attention_mask = split_mapping(input_ids, attention_mask)
@@ -180,7 +180,7 @@ class CachedLM:
             return self._fallback(reason, dict(kwargs, input_ids=ids, attention_mask=mask), passed)
         try:
             out = generate_paged(self, ids, mask, config, kwargs, self.namespace(cache_salt),
-                                 retain_s)
+                                 keep_s)
         except UnsupportedAttention as e:  # e.g. dropout in training mode: this call only
             return self._fallback(f"the paged KV path cannot serve this call: {e}",
                                   dict(kwargs, input_ids=ids, attention_mask=mask), passed)
@@ -215,7 +215,7 @@ class CachedLM:
                        min_p: float | None = None, repetition_penalty: float | None = None,
                        stop_token_ids=None, eos_token_id=batch_path.FROM_MODEL,
                        seed: int | None = None, n: int = 1, cache_salt: str | None = None,
-                       priority: int = 0, retain_s: float | None = None, stream: bool = False,
+                       priority: int = 0, keep_s: float | None = None, stream: bool = False,
                        progress: bool = False, engine: Engine | None = None):
         """Continuous-batching generation for ``prompts`` over shared blocks: a list of prompts,
         each a list (or 1-D tensor) of token ids. A 2-D tensor is refused (``TypeError``): it cannot
@@ -226,7 +226,7 @@ class CachedLM:
         without ``do_sample`` are ignored with transformers' warning. ``eos_token_id=None`` turns
         EOS off; ``stop_token_ids`` add more ids that end a sample. ``seed`` gives each prompt the
         same samples wherever it sits in the batch. ``n`` samples per prompt share its blocks.
-        ``retain_s``: the conversations come back within that many seconds (soft retention: their
+        ``keep_s``: the conversations come back within that many seconds (soft retention: their
         prefixes are evicted after those without a live hint; tokens never change).
         ``progress=True`` shows a tqdm bar. ``engine``: an ``Engine`` from ``new_engine`` to run
         on (default: a fresh one); this call steps it, so no other loop may step it meanwhile.
@@ -242,7 +242,7 @@ class CachedLM:
         settings, total, stops = batch_path.resolve_settings(self.model, explicit, eos_token_id,
                                                              stop_token_ids, self.vocab_size)
         requests = batch_path.build_requests(self, prompts, settings, total, stops, n, seed,
-                                             cache_salt, priority, retain_s)
+                                             cache_salt, priority, keep_s)
         if self.engine_unsupported:
             self.manager.record_fallback(self.engine_unsupported)
             return batch_path.plain_batch(self, requests, stream)

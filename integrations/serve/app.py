@@ -4,9 +4,16 @@
 
 - ``GET /health``: 200 ``{"status": "ok"}`` when an engine is attached, else 503 (error shape);
 - ``GET /metrics``: Prometheus text (open, like vLLM's, for scrapers);
-- ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
-  with ``GET`` / ``DELETE /v1/responses/{id}`` (stored responses): behind the API key when the
-  server has keys (a bearer or ``x-api-key``, the same key either way).
+- ``GET /openapi.json``: the OpenAPI document, every request body described by its model (open);
+- ``GET /v1/models`` (with each model's ``root`` and ``max_model_len``), ``GET /v1/loads`` (the
+  load SGLang's model gateway polls, ``loads.py``), ``POST /v1/chat/completions``,
+  ``POST /v1/completions``, ``POST /v1/responses`` with ``GET`` / ``DELETE /v1/responses/{id}``
+  (stored responses): behind the API key when the server has keys (a bearer or ``x-api-key``, the
+  same key either way; SMG started with ``--api-key K`` sends ``Authorization: Bearer K`` on its
+  polls too).
+
+``/version`` and ``/server_info`` stay 404 on purpose: a router that finds either takes the
+server for vLLM or SGLang.
 
 Every error is OpenAI's ``{"error": {...}}`` with the right status: 400 for malformed JSON and
 invalid fields (never FastAPI's 422), for prompts longer than the context or the pool; 401 without
@@ -28,14 +35,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixcache import __version__
 from radixcache.integrations.serve import openai_completions, openai_responses
 from radixcache.integrations.serve import responses as R
 from radixcache.integrations.serve.errors import (APIError, bad_request, internal, method_not_allowed,
                                                   route_not_found, unavailable)
 from radixcache.integrations.serve.job import salt_of
 from radixcache.integrations.serve.limits import check_api_key
-from radixcache.integrations.serve.openai_responses_request import parse_responses_request
-from radixcache.integrations.serve.protocol import parse_chat_request, parse_completion_request
+from radixcache.integrations.serve.loads import worker_loads
+from radixcache.integrations.serve.openai_responses_request import ResponsesRequest, parse_responses_request
+from radixcache.integrations.serve.openapi import BodySchemas
+from radixcache.integrations.serve.protocol import (ChatCompletionRequest, CompletionRequest, parse_chat_request,
+                                                    parse_completion_request)
 from radixcache.integrations.serve.respond import respond
 
 logger = logging.getLogger("radixcache.serve")
@@ -62,7 +73,9 @@ def create_app(state) -> FastAPI:
         yield
         await state.shutdown()
 
-    app = FastAPI(title="radixcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="radixcache", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    bodies = BodySchemas()
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
@@ -103,21 +116,26 @@ def create_app(state) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return R.model_list(state.model_names, R.now())
+        return R.model_list(state.model_names, R.now(), state.info.name, state.limits.max_context_tokens)
 
-    @app.post("/v1/chat/completions")
+    @app.get("/v1/loads")
+    async def loads(request: Request):
+        authorize(request)
+        return worker_loads(state)
+
+    @app.post("/v1/chat/completions", openapi_extra=bodies.body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         key = authorize(request)
         job = await openai_completions.chat_job(state, parse_chat_request(await _json_body(request)), key)
         return await respond(state, job, request, openai_completions.body, openai_completions.chunks)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=bodies.body(CompletionRequest))
     async def completions(request: Request):
         key = authorize(request)
         job = await openai_completions.completion_job(state, parse_completion_request(await _json_body(request)), key)
         return await respond(state, job, request, openai_completions.body, openai_completions.chunks)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=bodies.body(ResponsesRequest))
     async def responses(request: Request):
         key = authorize(request)
         job, turn = await openai_responses.responses_job(state, parse_responses_request(await _json_body(request)), key)
@@ -137,4 +155,5 @@ def create_app(state) -> FastAPI:
             raise openai_responses.not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
+    bodies.install(app)
     return app

@@ -2,7 +2,7 @@
 
 The server never touches the engine, the tree or the pool directly: it only calls an
 ``EngineClient``. Requests and events are the engine's: ``radixcache.engine.Request`` (prompt ids,
-``SamplingParams``, cache salt, priority, ``prefill_only``, ``retain_s``) in, and
+``SamplingParams``, cache salt, priority, ``prefill_only``, ``keep_s``) in, and
 ``radixcache.engine.Event`` (``request_id``, ``sample``, ``token``, ``finished``, ``finish_reason``,
 ``cached_tokens``, ``error``) out; ``job.py`` is the one place the server builds a ``Request``.
 Wiring the server to radixcache's engine is one module that implements this protocol
@@ -41,7 +41,8 @@ the engine must never wait on a reader, and drops the events nobody reads. ``cou
 snapshot for ``/metrics``; ``limits()`` is constant. ``close()`` aborts everything (every stream
 gets its final "abort" events), stops the scheduler thread and flushes what the engine owns; it is
 idempotent. An engine with a shared store may also offer ``store_stats() -> dict`` (its
-``radixcache.store.STORE_COUNTERS``), exported in ``/metrics``.
+``radixcache.store.STORE_COUNTERS``), exported in ``/metrics``, and one publishing KV events
+``events_stats() -> dict`` (``KVEventPublisher.stats``' ``kv_events_*`` counters; empty when off).
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ class EngineOverloaded(Exception):
 
 
 class EngineCounts(NamedTuple):
-    """A snapshot for metrics: requests running and waiting, pool blocks used of total."""
+    """A snapshot for metrics and ``/v1/loads``: requests running and waiting, pool blocks used of
+    total, and the whole blocks the tree holds (``RadixCache.whole_blocks``; 0 when unknown)."""
 
     running: int
     waiting: int
     used_blocks: int
     total_blocks: int
+    cached_blocks: int = 0
 
 
 class EngineLimits(NamedTuple):

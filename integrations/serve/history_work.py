@@ -39,7 +39,7 @@ async def precompute_history(state, job, generated_ids, reply: dict) -> None:
                     job.request_id, history.divergence.token_index, history.divergence.reason,
                     history.divergence.detail)
     precomputed = history.blocks_to_compute(state.limits.block_size) == 0 or \
-        state.precompute(history.token_ids, job.salt, job.request.retain_s)
+        state.precompute(history.token_ids, job.salt, job.request.keep_s)
     state.histories.remember(history.token_ids, job.salt, None if precomputed else history.computed)
 
 

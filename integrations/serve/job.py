@@ -108,7 +108,7 @@ async def render_conversation(state, conversation: Conversation, api_key: str | 
 def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api_key: str | None = None,
             max_tokens: int | None = None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
             n: int = 1, seed: int | None = None, stop=(), stream: bool = False, include_usage: bool = False,
-            retain_s: float | None = None, conversation: Conversation | None = None,
+            keep_s: float | None = None, conversation: Conversation | None = None,
             parse_tools: bool = False, clamp_max_tokens: bool = False,
             constraint: OutputConstraint | None = None) -> Job:
     """The ``Job`` for a prompt and its settings (see the module docstring); raises ``APIError`` 400
@@ -134,15 +134,15 @@ def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api
                                 seed=None if seed is None else seed % SEED_RANGE,
                                 stop_token_ids=state.info.stop_token_ids)
         request = Request(new_id(id_prefix), prompt_ids, params,
-                          cache_salt=salt_of(state, api_key), retain_s=retain_s)
+                          cache_salt=salt_of(state, api_key), keep_s=keep_s)
     except (TypeError, ValueError) as exc:
         raise bad_request(str(exc)) from None
     return Job(protocol, model, request, n, tuple(stop), stream, include_usage, conversation, parse_tools)
 
 
-def history_request(token_ids, salt: str | None, retain_s: float | None) -> Request:
+def history_request(token_ids, salt: str | None, keep_s: float | None) -> Request:
     """The engine request that computes a history form's uncached blocks into the cache: prefill
     only (behind every normal request unless one waits on its blocks), the reply's tenant salt and
     retention hint."""
     return Request(new_id("history"), tuple(token_ids), SamplingParams(max_new_tokens=1), cache_salt=salt,
-                   prefill_only=True, retain_s=retain_s)
+                   prefill_only=True, keep_s=keep_s)

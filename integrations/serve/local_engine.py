@@ -123,19 +123,27 @@ class LocalEngine:
 
     def counts(self) -> EngineCounts:
         """Sequences running and waiting (requests still prefetching count as waiting), pool blocks
-        that cannot be had now (held by requests) of all."""
+        that cannot be had now (held by requests) of all, and the whole blocks the tree holds."""
         sched = self.engine.scheduler
         with self._lock:
             prefetching = sum(1 for r in self._routes.values() if not r.added)
         total = self.manager.allocator.num_blocks
-        return EngineCounts(len(sched.running), len(sched.waiting) + prefetching,
-                            total - self.manager.freeable_blocks(), total)
+        freeable = self.manager.freeable_blocks()
+        with self.manager.mutex:
+            whole = self.manager.tree.whole_blocks
+        return EngineCounts(len(sched.running), len(sched.waiting) + prefetching, total - freeable,
+                            total, whole)
 
     def store_stats(self) -> dict:
         """The shared store's counters (``store_hit_tokens``, ``store_written_blocks``, ...; see
         ``radixcache.store.STORE_COUNTERS``) from the manager's stats (no pool read: a forward may
         be in flight); empty without a store."""
         return {k: v for k, v in self.lm.manager.stats().items() if k in STORE_COUNTERS}
+
+    def events_stats(self) -> dict:
+        """The KV event publisher's counters (``kv_events_batches``, ``kv_events_dropped``, ...; see
+        ``KVEventPublisher.stats``), read from the manager's stats; empty without a publisher."""
+        return {k: v for k, v in self.lm.manager.stats().items() if k.startswith("kv_events_")}
 
     async def close(self) -> None:
         """Abort everything, stop the scheduler thread (and close ``lm`` when it was asked to, which
@@ -157,10 +165,13 @@ class LocalEngine:
         await loop.run_in_executor(None, lambda: self._prefetch.shutdown(wait=True, cancel_futures=True))
         if self._close_lm:
             final = await loop.run_in_executor(None, self.lm.close)
-            if final:
+            if "store_written_blocks" in final:
                 logger.info("store flushed: %d blocks written, %d dropped, %d errors",
                             final.get("store_written_blocks", 0), final.get("store_dropped_blocks", 0),
                             final.get("store_errors", 0))
+            if "kv_events_batches" in final:
+                logger.info("KV events closed: %d batches sent, %d records dropped",
+                            final["kv_events_batches"], final.get("kv_events_dropped", 0))
 
     # ------------------------------------------------------------------ handing over
     def _prefetch_then_add(self, route: Route, request: Request, namespace) -> None:

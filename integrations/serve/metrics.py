@@ -18,15 +18,35 @@ Names follow vLLM's where one exists, with the ``radixcache:`` prefix:
   tokens (reasons from ``history.history_after_reply``), and ``history_precompute_tokens_total``;
 - with a shared store, its counters as ``store_hit_tokens_total``, ``store_miss_blocks_total``,
   ``store_written_blocks_total``, ``store_dropped_blocks_total``, ``store_bytes_read_total``,
-  ``store_bytes_written_total``, ``store_errors_total``, ... (read at scrape time).
+  ``store_bytes_written_total``, ``store_errors_total``, ... (read at scrape time);
+- ``cached_blocks``: the whole blocks the tree holds (partial tails not counted); with KV events
+  on, exactly those announced by ``BlockStored`` and not yet by ``BlockRemoved`` since the last
+  ``AllBlocksCleared`` (read at scrape time);
+- with KV events on (``--kv-events``), the publisher's counters ``kv_events_batches_total``
+  (messages sent), ``kv_events_dropped_total`` (block records dropped on a full queue),
+  ``kv_events_resyncs_total``, ``kv_events_errors_total`` and the gauge ``kv_events_queued``.
+
+vLLM's own names, for the routers and scorers that read them (vLLM's production-stack router,
+llm-d, SMG for vLLM workers), are aliases of five of these: ``VLLM_ALIASES`` maps each to the
+``radixcache:`` metric it re-exports. An alias is not a second counter: it is collected from the
+same metric at the same scrape, so both names always read the same value.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "radixcache:"
+VLLM_PREFIX = "vllm:"
+# vLLM's name -> the radixcache: metric (without the prefix) it is an alias of
+VLLM_ALIASES = {"vllm:num_requests_running": "num_requests_running",
+                "vllm:num_requests_waiting": "num_requests_waiting",
+                "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+                "vllm:prefix_cache_queries": "prefix_cache_queries",
+                "vllm:prefix_cache_hits": "prefix_cache_hits"}
+EVENT_GAUGES = {"kv_events_queued"}  # publisher stats that are levels, not counts
+EVENT_COUNTERS = {"kv_events_batches", "kv_events_dropped", "kv_events_resyncs", "kv_events_errors"}
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3,
@@ -49,11 +69,62 @@ class _StoreCounters:
                                       value=float(value))
 
 
+class _EventCounters:
+    """A collector of the KV event publisher's counters from ``source()`` (a dict, empty when
+    events are off: nothing is exported then) at each scrape."""
+
+    def __init__(self):
+        self.source = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self.source() if self.source is not None else {}
+        for name in sorted(stats):
+            if name in EVENT_COUNTERS:
+                yield CounterMetricFamily(PREFIX + name, f"KV events: {name.removeprefix('kv_events_')}.",
+                                          value=float(stats[name]))
+            elif name in EVENT_GAUGES:
+                yield GaugeMetricFamily(PREFIX + name, "KV events: block records waiting to be sent.",
+                                        value=float(stats[name]))
+
+
+class _Alias:
+    """A collector re-exporting ``metric`` (a prometheus-client metric) under ``name``: its samples,
+    collected from it at each scrape, renamed (the same values, never a copy kept)."""
+
+    def __init__(self, name: str, metric):
+        self.name, self.metric = name, metric
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for family in self.metric.collect():
+            alias = Metric(self.name, f"{family.documentation} (alias of {family.name})", family.type)
+            for sample in family.samples:
+                alias.add_sample(self.name + sample.name[len(family.name):], sample.labels, sample.value,
+                                 sample.timestamp)
+            yield alias
+
+
+def counter_value(counter) -> float:
+    """The current value of an unlabelled prometheus-client ``Counter`` (its ``_total`` sample)."""
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                return sample.value
+    return 0.0
+
+
 class ServerMetrics:
     """Counters, gauges and histograms of one server; ``render()`` is the ``/metrics`` body.
 
-    ``attach(counts, store)`` makes the gauges read ``counts()`` (an ``EngineCounts``) and the
-    store counters ``store()`` (a dict) at every scrape; without them they read 0 / are absent.
+    ``attach(counts, store, events)`` makes the gauges read ``counts()`` (an ``EngineCounts``), the
+    store counters ``store()`` and the KV event counters ``events()`` (dicts) at every scrape;
+    without them they read 0 / are absent. ``prefix_cache_totals()`` is the (queries, hits) pair
+    the ``prefix_cache_*`` counters show, for ``/v1/loads``.
     """
 
     def __init__(self):
@@ -89,14 +160,28 @@ class ServerMetrics:
                                   ["reason"], registry=r)
         self.precompute_tokens = Counter(PREFIX + "history_precompute_tokens",
                                          "Tokens of history forms submitted for low-priority prefill.", registry=r)
+        self.cached_blocks = Gauge(PREFIX + "cached_blocks",
+                                   "Whole KV blocks the prefix tree holds (partial tails not counted).",
+                                   registry=r)
         self._store = _StoreCounters()
         r.register(self._store)
+        self._events = _EventCounters()
+        r.register(self._events)
+        for name, source in VLLM_ALIASES.items():
+            r.register(_Alias(name, self._metric(source)))
         self.attach(None)
 
-    def attach(self, counts, store=None) -> None:
-        """Read running/waiting/pool usage from ``counts()`` (None: report 0) and the store's
-        counters from ``store()`` (None: none) at each scrape."""
+    def _metric(self, name: str):
+        return {"num_requests_running": self.running, "num_requests_waiting": self.waiting,
+                "kv_cache_usage_perc": self.usage, "prefix_cache_queries": self.queries,
+                "prefix_cache_hits": self.hits}[name]
+
+    def attach(self, counts, store=None, events=None) -> None:
+        """Read running/waiting/pool usage/cached blocks from ``counts()`` (None: report 0), the
+        store's counters from ``store()`` and the KV event publisher's from ``events()`` (None:
+        none) at each scrape."""
         self._store.source = store
+        self._events.source = events
         def read(pick):
             def value():
                 c = counts() if counts is not None else None
@@ -105,7 +190,13 @@ class ServerMetrics:
 
         self.running.set_function(read(lambda c: c.running))
         self.waiting.set_function(read(lambda c: c.waiting))
-        self.usage.set_function(read(lambda c: c.used_blocks / c.total_blocks if c.total_blocks else 0.0))
+        self.usage.set_function(read(usage_share))
+        self.cached_blocks.set_function(read(lambda c: c.cached_blocks))
+
+    def prefix_cache_totals(self) -> tuple[float, float]:
+        """(prompt tokens looked up, prompt tokens hit): the values ``prefix_cache_queries_total`` and
+        ``prefix_cache_hits_total`` show now."""
+        return counter_value(self.queries), counter_value(self.hits)
 
     # ------------------------------------------------------------------ observations
     def observe_admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
@@ -141,3 +232,8 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of every metric, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def usage_share(counts) -> float:
+    """The share of pool blocks in use (0..1) of an ``EngineCounts``: ``kv_cache_usage_perc``."""
+    return counts.used_blocks / counts.total_blocks if counts.total_blocks else 0.0

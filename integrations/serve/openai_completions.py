@@ -23,7 +23,7 @@ def _settings(req, key) -> dict:
     """The sampling settings and session hints shared by both protocols, for ``new_job``."""
     return dict(api_key=key, max_tokens=req.max_new_tokens, temperature=req.effective_temperature,
                 top_p=req.effective_top_p, n=req.n, seed=req.seed, stop=req.stop_strings, stream=req.stream,
-                include_usage=req.include_usage, retain_s=req.retain_s)
+                include_usage=req.include_usage, keep_s=req.keep_s)
 
 
 async def chat_job(state, req, key: str | None) -> Job:

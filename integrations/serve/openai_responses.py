@@ -147,7 +147,7 @@ async def responses_job(state, req, key: str | None):
         job = new_job(state, "responses", model, prompt_ids, id_prefix="resp", api_key=key,
                       max_tokens=req.max_output_tokens,
                       temperature=1.0 if req.temperature is None else req.temperature,
-                      top_p=1.0 if req.top_p is None else req.top_p, stream=req.stream, retain_s=req.retain_s,
+                      top_p=1.0 if req.top_p is None else req.top_p, stream=req.stream, keep_s=req.keep_s,
                       conversation=conversation, parse_tools=bool(tools) and req.tool_choice != "none",
                       clamp_max_tokens=True, constraint=_constraint(req, tools))
     except APIError as exc:

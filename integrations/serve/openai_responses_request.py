@@ -198,8 +198,8 @@ class ResponsesRequest(APIModel):
         return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
 
     @property
-    def retain_s(self) -> float | None:
-        """Seconds to retain the prefix: as chat (``protocol._Sampling.retain_s``)."""
+    def keep_s(self) -> float | None:
+        """Seconds to keep the prefix: as chat (``protocol._Sampling.keep_s``)."""
         if self.prompt_cache_retention is not None:
             return RETENTION_SECONDS[self.prompt_cache_retention]
         return RETENTION_SECONDS["in_memory"] if self.prompt_cache_key is not None else None

@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", metavar="URL", default=None,
                         help="a shared KV tier: redis://[user:password@]host:port/db (or rediss://, unix://); "
                              "replicas on one store share their prefixes")
+    parser.add_argument("--kv-events", metavar="ENDPOINT", default=None,
+                        help="publish the cache's blocks as vLLM KV events on a ZMQ PUB socket bound at "
+                             "ENDPOINT, e.g. tcp://127.0.0.1:5557 (for KV-aware routers)")
+    parser.add_argument("--kv-events-topic", metavar="TOPIC", default="kv",
+                        help="the topic frame of every KV event message (default kv)")
     parser.add_argument("--max-output-tokens", type=positive_int, metavar="N", default=None,
                         help="cap on the tokens one request generates, on every protocol (default: what "
                              "the context leaves after the prompt)")
@@ -87,6 +92,8 @@ class ServeOptions:
     max_queue: int = DEFAULT_MAX_QUEUE
     history_precompute: bool = True
     store: str | None = None  # the --store URL
+    kv_events: str | None = None  # the --kv-events endpoint
+    kv_events_topic: str = "kv"
     log_level: str = "info"
     max_output_tokens: int | None = None
     log_token_ids: Path | None = None  # the --log-token-ids file
@@ -126,6 +133,10 @@ class ServeOptions:
         store = getattr(args, "store", None)
         if store is not None and not store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--store {store}: expected a redis://, rediss:// or unix:// URL")
+        kv_events = getattr(args, "kv_events", None)
+        if kv_events is not None and "://" not in kv_events:
+            raise ValueError(f"--kv-events {kv_events}: expected a ZMQ endpoint such as tcp://127.0.0.1:5557")
+        topic = getattr(args, "kv_events_topic", "kv")
         log_file = getattr(args, "log_token_ids", None)
         if log_file is not None:
             log_file = Path(log_file).expanduser()
@@ -136,6 +147,6 @@ class ServeOptions:
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
                    isolate_cache_by_key=args.isolate_cache_by_key, max_running=args.max_running,
                    max_queue=args.max_queue, history_precompute=not args.no_history_precompute,
-                   store=store, log_level=args.log_level,
+                   store=store, kv_events=kv_events, kv_events_topic=topic, log_level=args.log_level,
                    max_output_tokens=getattr(args, "max_output_tokens", None),
                    log_token_ids=log_file)

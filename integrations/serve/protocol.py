@@ -9,7 +9,7 @@ What is honoured: every message role (system, developer, user, assistant with ``
 ``n``, ``temperature`` (OpenAI's meaning: 0 is greedy, the default 1 samples), ``top_p``,
 ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``. The cache finds a prefix by its
 tokens alone; ``prompt_cache_key`` (a session) and ``prompt_cache_retention`` ("in_memory": a few
-minutes, "24h": a day; anything else is a 400) become a retention hint (``retain_s``): what the
+minutes, "24h": a day; anything else is a 400) become a retention hint (``keep_s``): what the
 request computed is evicted only after prefixes without a live hint. A key without a retention means
 "in_memory", OpenAI's default. Fields that would change
 the output but are not implemented (``logprobs``, penalties, ``logit_bias``, a JSON
@@ -99,8 +99,8 @@ class _Sampling(APIModel):
         return 1.0 if self.top_p is None else float(self.top_p)
 
     @property
-    def retain_s(self) -> float | None:
-        """Seconds to retain this request's prefix (see the module docstring); None: no hint."""
+    def keep_s(self) -> float | None:
+        """Seconds to keep this request's prefix (see the module docstring); None: no hint."""
         if self.prompt_cache_retention is not None:
             return RETENTION_SECONDS[self.prompt_cache_retention]
         return RETENTION_SECONDS["in_memory"] if self.prompt_cache_key is not None else None

@@ -97,7 +97,11 @@ def completion(response_id: str, created: int, model: str, choices: list[dict], 
     return body
 
 
-def model_list(names, created: int, owner: str = "radixcache") -> dict:
-    """The body of ``GET /v1/models``."""
+def model_list(names, created: int, root: str, max_model_len: int, owner: str = "radixcache") -> dict:
+    """The body of ``GET /v1/models``: one entry per served name, each with the model it serves
+    (``root``: the model directory's name) and its context length (``max_model_len``), as vLLM
+    lists them. ``owned_by`` stays neither "vllm" nor "sglang": a router (SMG) that reads it must
+    not take this server for either engine."""
     return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                        "owned_by": owner} for name in names]}
+                                        "owned_by": owner, "root": root,
+                                        "max_model_len": max_model_len} for name in names]}

@@ -33,8 +33,10 @@ def load_engine(options: ServeOptions, info):
     """The ``LocalEngine`` serving ``options.model`` (default: the embedded SmolLM2) on CUDA when
     there is one, else on the CPU, in ``--dtype`` (auto: ``radixcache.models.default_dtype``,
     bfloat16 on CUDA and on CPUs with native bf16 matrix units, float32 elsewhere);
-    ``--max-cache-tokens``, ``--block-size``, ``--max-running`` and ``--store`` (a shared Redis tier;
-    unreachable: a warning, then the server runs without it) apply."""
+    ``--max-cache-tokens``, ``--block-size``, ``--max-running``, ``--store`` (a shared Redis tier;
+    unreachable: a warning, then the server runs without it) and ``--kv-events`` (a
+    ``KVEventPublisher`` bound there with ``--kv-events-topic``, closed with the engine; an
+    endpoint that cannot be bound raises ``ValueError``) apply."""
     import torch
 
     import radixcache
@@ -44,8 +46,20 @@ def load_engine(options: ServeOptions, info):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, _ = load_model(options.model, dtype=options.dtype, device=device)
     logger.info("model weights in %s on %s", model.dtype, device)
-    lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens,
-                         store=options.store)
+    publisher = None
+    if options.kv_events is not None:
+        from radixcache.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher(options.kv_events, topic=options.kv_events_topic)
+    try:
+        lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens,
+                             store=options.store, kv_events=publisher)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
+    if publisher is not None:
+        logger.info("KV events on %s (topic %r)", publisher.endpoint, publisher.topic)
     if lm.engine_unsupported:  # the self-tests ruled the engine out: refuse rather than risk a token
         lm.close()
         raise ValueError(f"{options.model or 'the model'} cannot run on radixcache's engine: "

@@ -99,7 +99,7 @@ class ServerState:
         """Serve generation with ``engine`` (an ``EngineClient``; None: generation answers 503)."""
         self.engine = engine
         self.metrics.attach(engine.counts if engine is not None else None,
-                            getattr(engine, "store_stats", None))
+                            getattr(engine, "store_stats", None), getattr(engine, "events_stats", None))
 
     @property
     def limits(self) -> EngineLimits:
@@ -136,13 +136,13 @@ class ServerState:
         if not task.cancelled() and task.exception() is not None:
             logger.error("background task failed", exc_info=task.exception())
 
-    def precompute(self, token_ids, salt: str | None, retain_s: float | None = None) -> bool:
+    def precompute(self, token_ids, salt: str | None, keep_s: float | None = None) -> bool:
         """Compute a history form's uncached blocks at low priority (prefill only), in the background;
-        ``retain_s``: the request's retention hint, which its history form keeps. Returns whether
+        ``keep_s``: the request's retention hint, which its history form keeps. Returns whether
         the work was submitted (False: the precompute is off or the engine refused it)."""
         if self.engine is None or not self.options.history_precompute or self.stopping:
             return False
-        request = history_request(token_ids, salt, retain_s)
+        request = history_request(token_ids, salt, keep_s)
         try:
             stream = self.engine.submit(request)
         except (EngineOverloaded, ValueError) as exc:

@@ -3,7 +3,8 @@
 Each line is ``{"id", "protocol", "model", "prompt_ids", "cached_tokens", "output_ids",
 "finish_reasons", "time"}``: the prompt's token ids exactly as the engine saw them, how many of them
 the cache served, and each sample's output token ids (the stop token included when the engine
-produced one). ``benchmarks/agent_clients.py`` computes each turn's ideal hit from these lines.
+produced one). ``ideal_cached`` computes each request's ideal hit from these lines (what
+``benchmarks/agent_clients.py`` reports the cache against).
 Lines are written whole, under a lock, and flushed at once, so a reader never sees half a line
 and a crash loses at most the request in flight.
 """
@@ -14,6 +15,8 @@ import json
 import threading
 import time
 from pathlib import Path
+
+from radixcache.tokens import common_prefix
 
 
 class TokenLog:
@@ -44,6 +47,21 @@ class TokenLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def ideal_cached(lines, block_size: int) -> list[int]:
+    """Per line of a token log, the most tokens any cache could have served: the longest prefix of
+    its prompt that an earlier request's prompt followed by one of its outputs already covered,
+    rounded down to whole blocks and capped at the prompt minus one token (the last prompt token is
+    always computed, to get the first output's logits)."""
+    seen: list[tuple] = []
+    ideal = []
+    for line in lines:
+        prompt = line["prompt_ids"]
+        best = max((common_prefix(prompt, s) for s in seen), default=0)
+        ideal.append(min(best // block_size * block_size, max(len(prompt) - 1, 0)))
+        seen.extend(tuple(prompt) + tuple(out) for out in line["output_ids"] or [()])
+    return ideal
 
 
 def read_token_log(path) -> list[dict]:

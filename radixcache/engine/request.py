@@ -121,9 +121,9 @@ class Request:
     prefix first, then arrival). ``prefill_only``: compute the prompt's K/V into the cache and
     sample nothing (one ``"prefilled"`` event); it runs behind every normal request unless a normal
     request waits on the blocks it is computing, which promotes it to that request's priority.
-    ``retain_s``: a hint that the conversation comes back within that many seconds (an agent
+    ``keep_s``: a hint that the conversation comes back within that many seconds (an agent
     waiting on a tool): when the request ends, what it computed is kept in preference to prefixes
-    without a live hint (soft retention, see ``CacheManager.retain``); it never changes a token.
+    without a live hint (soft retention, see ``CacheManager.keep``); it never changes a token.
     """
 
     request_id: Hashable
@@ -132,7 +132,7 @@ class Request:
     cache_salt: str | None = None
     priority: int = 0
     prefill_only: bool = False
-    retain_s: float | None = None
+    keep_s: float | None = None
 
     def __post_init__(self):
         try:
@@ -153,11 +153,11 @@ class Request:
         object.__setattr__(self, "priority", _int("priority", self.priority, -2**62))
         if not isinstance(self.prefill_only, bool):
             raise TypeError(f"prefill_only must be a bool, got {self.prefill_only!r}")
-        if self.retain_s is not None:
-            retain = _float("retain_s", self.retain_s)
-            if retain < 0:
-                raise ValueError(f"retain_s must be >= 0, got {retain}")
-            object.__setattr__(self, "retain_s", retain)
+        if self.keep_s is not None:
+            keep = _float("keep_s", self.keep_s)
+            if keep < 0:
+                raise ValueError(f"keep_s must be >= 0, got {keep}")
+            object.__setattr__(self, "keep_s", keep)
 
     @property
     def num_samples(self) -> int:

@@ -281,17 +281,17 @@ class Scheduler:
             started.append(child)
         return started
 
-    def finish(self, seq: Sequence, retain: bool = True) -> None:
+    def finish(self, seq: Sequence, keep: bool = True) -> None:
         """Commit what ``seq`` computed and release everything it holds (running or waiting); with
-        ``retain`` and the request's ``retain_s``, its committed path is retained that long."""
+        ``keep`` and the request's ``keep_s``, its committed path is retained that long."""
         if seq.lease is not None:
             lease, seq.lease = seq.lease, None
             self.running.remove(seq)
-            self.manager.finish(lease, seq.tokens, seq.request.retain_s if retain else None)
+            self.manager.finish(lease, seq.tokens, seq.request.keep_s if keep else None)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
     def back_out(self, seqs) -> None:
         """After a failed forward: ``seqs`` keep only what earlier steps computed."""
         for seq in seqs:
-            self.finish(seq, retain=False)
+            self.finish(seq, keep=False)

@@ -7,7 +7,7 @@ same verbs, under one lock and into one ledger::
     manager.grow(lease, n)                    # blocks for n tokens, allocated as tokens arrive
     ...                                       # the caller computes K/V of tokens[lease.computed:n]
     manager.commit(lease, tokens, n)          # whole blocks into the tree at once: others share them
-    manager.finish(lease, tokens, retain_s)   # commit, retain the path (a hint), release
+    manager.finish(lease, tokens, keep_s)   # commit, keep the path (a hint), release
     manager.release(lease, tokens)            # keep the partial tail, unpin, drop every hold
 
 ``fork`` starts a parallel sample that shares a lease's whole blocks. Tokens may be given as
@@ -224,20 +224,20 @@ class CacheManager:
                 lease.node, lease.blocks, lease.released = None, [], True
                 del self._live[id(lease)]
 
-    def finish(self, lease: Lease, tokens: Sequence[int], retain_s: float | None = None) -> None:
+    def finish(self, lease: Lease, tokens: Sequence[int], keep_s: float | None = None) -> None:
         """End ``lease`` as a request that is done (the one verb for every front end): commit what
-        was computed (``tokens[:lease.computed]``), with ``retain_s`` (seconds) retain its
-        committed path that long (see ``retain``), then ``release`` it with ``tokens`` (the partial
-        last block kept as a tail). A bad ``retain_s`` raises before anything changes; whatever
+        was computed (``tokens[:lease.computed]``), with ``keep_s`` (seconds) keep its
+        committed path that long (see ``keep``), then ``release`` it with ``tokens`` (the partial
+        last block kept as a tail). A bad ``keep_s`` raises before anything changes; whatever
         fails after that, the lease is released."""
         with self.mutex:
             self._check_live(lease, "finish")
-            if retain_s is not None:
-                _check_seconds(retain_s)
+            if keep_s is not None:
+                _check_seconds(keep_s)
             try:
-                if retain_s is not None:
+                if keep_s is not None:
                     self.commit(lease, tokens, lease.computed)
-                    self.retain(lease, retain_s)
+                    self.keep(lease, keep_s)
             finally:
                 self.release(lease, tokens)
 
@@ -286,16 +286,16 @@ class CacheManager:
             self._events_stats = events.close(timeout)
         return {**self._store_stats, **self._events_stats}
 
-    def retain(self, lease: Lease, seconds: float) -> None:
+    def keep(self, lease: Lease, seconds: float) -> None:
         """Hint that ``lease``'s sequence comes back within ``seconds`` (an agent session waiting on
         a tool): its committed path (every whole block ``commit`` put in the tree) stays cached until
         then, evicted only after every prefix without a live hint, and still before anything is
         refused. Soft: it never pins, needs no release, and once expired changes nothing; it never
         changes a computed token. Call it after the last ``commit``, before ``release``."""
         with self.mutex:
-            self._check_live(lease, "retain")
+            self._check_live(lease, "keep")
             _check_seconds(seconds)
-            self.tree.retain(lease.node, self.clock() + seconds)
+            self.tree.keep(lease.node, self.clock() + seconds)
 
     # ------------------------------------------------------------------ ledger and sizes
     def record_generated(self, n: int) -> None:
@@ -419,6 +419,6 @@ class CacheManager:
 
 def _check_seconds(seconds) -> None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise TypeError(f"retain: seconds must be a number, got {seconds!r}")
+        raise TypeError(f"keep: seconds must be a number, got {seconds!r}")
     if not seconds >= 0:
-        raise ValueError(f"retain: seconds must be >= 0, got {seconds!r}")
+        raise ValueError(f"keep: seconds must be >= 0, got {seconds!r}")

@@ -4,7 +4,8 @@ State: the nodes (``radixcache.tree.nodes.NodeTable``), the eviction order (``ra
 the namespace roots, the in-tree marks (one byte per pool block: 1 where the tree holds a
 reference), the cached, pinned and partial-tail block counts, and ``events``: None, or the
 ``radixcache.kv_events.BlockEventLog`` told of every whole block that enters (``add_child`` and
-``extend``, the only ways one does) or leaves (``evict``, the only way one does) the tree.
+``extend``, the only ways one does) or leaves (``radixcache.tree.eviction.evict_lru``, the only way one
+does) the tree.
 
 Invariants every method keeps (``RadixCache.check`` asserts them):
 
@@ -297,62 +298,6 @@ class TreeBody:
         self.cached -= 1
         self.tails -= 1
         nodes.free(tail)
-
-    def remove_leaf(self, i: int) -> None:
-        """Unlink leaf ``i`` (its blocks already released); a parent left on a retained path inherits
-        the retention, and becomes evictable if it is a leaf now."""
-        nodes = self.nodes
-        parent = nodes.parent[i]
-        if nodes.tail[parent] == i:
-            nodes.tail[parent] = -1
-        else:
-            siblings = nodes.kids[parent]
-            del siblings[nodes.keys[i][:self.bs4]]
-            if not siblings:
-                nodes.kids[parent] = None
-        until = nodes.until[i]
-        nodes.free(i)
-        if nodes.parent[parent] < 0:
-            self.drop_idle_root(parent)
-            return
-        if until > nodes.until[parent]:
-            nodes.until[parent] = until
-        if self.is_evictable_leaf(parent):
-            self.recency.add(parent)
-
-    def evict(self, num_blocks: int, now) -> int:
-        """Drop the tree's reference on up to ``num_blocks`` blocks in eviction order (see
-        ``radixcache.tree.recency``), a leaf's deepest blocks first; returns how many were dropped.
-        ``now`` is called for the time only when some leaf is retained."""
-        nodes, recency, bs4 = self.nodes, self.recency, self.bs4
-        if recency.retained:
-            recency.expire(now())
-        dropped = 0
-        gone = bytearray()
-        while dropped < num_blocks:
-            i = recency.pop()
-            if i is None:
-                break
-            blocks = nodes.blocks[i]
-            keep = max(0, (len(blocks) >> 2) - (num_blocks - dropped))
-            gone += blocks[4 * keep:]
-            dropped += (len(blocks) >> 2) - keep
-            if keep:
-                nodes.blocks[i] = blocks[:4 * keep]
-                nodes.keys[i] = nodes.keys[i][:keep * bs4]
-                recency.add(i)
-            else:
-                if len(nodes.keys[i]) < bs4:
-                    self.tails -= 1
-                self.remove_leaf(i)
-        if gone:
-            ids = array("I", gone)
-            self.allocator.release(ids)
-            self.mark(ids, 0)
-            self.cached -= dropped
-            if self.events is not None:
-                self.events.removed(self, bytes(gone))  # tails among them were never announced
-        return dropped
 
     # ----------------------------------------------------------------- pins
     def pin(self, i: int) -> None:

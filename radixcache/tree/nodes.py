@@ -98,7 +98,7 @@ class NodeTable:
 
 class Node:
     """A handle on one node of a ``RadixCache``: opaque to callers, who pass it to ``lock``,
-    ``unlock`` and ``retain``. Two handles are equal when they name the same node.
+    ``unlock`` and ``keep``. Two handles are equal when they name the same node.
 
     A handle stays meaningful while the node is locked; an unlocked node may be split (the handle
     keeps the deeper part, so it still ends at the same depth), truncated or evicted (``alive`` is

@@ -26,6 +26,7 @@ from radixcache.tree.nodes import HandleTable, Node
 from radixcache.tokens import token_bytes, unpack
 from radixcache.tree.body import TreeBody
 from radixcache.tree.check import check_tree, held_outside
+from radixcache.tree.eviction import evict_lru
 from radixcache.tree.insertion import insert_args, insert_below
 from radixcache.tree.changes import ChangeLog
 from radixcache.tree.results import Adopted, CacheStats, Match
@@ -51,7 +52,7 @@ class RadixCache:
 
     Only whole blocks are cached, plus at most one partial tail per node: L tokens cover
     ``L // block_size`` blocks. ``namespace`` tuples partition the tree completely: no node or block
-    is shared between them. ``clock`` (seconds, non-decreasing) is what ``retain`` deadlines are read
+    is shared between them. ``clock`` (seconds, non-decreasing) is what ``keep`` deadlines are read
     against. Each method's docstring states its contract; ``check()`` verifies the invariants
     (``radixcache.tree.body`` states them). ``changes`` (a ``radixcache.tree.changes.ChangeLog``) says
     when the content changed and what was inserted, for callers that cache ``peek`` results.
@@ -232,7 +233,7 @@ class RadixCache:
             raise CacheError("unlock: node is not locked (lock() was not called on it)")
         self.body.unpin(i)
 
-    def retain(self, node: Node, until: float) -> None:
+    def keep(self, node: Node, until: float) -> None:
         """Keep the path from the namespace root to ``node`` until ``until`` on the tree's clock: a
         soft hint, separate from locks and never released. While it lasts, the path's blocks are
         evicted only after every block without retention (and before anything is refused for lack of
@@ -240,11 +241,11 @@ class RadixCache:
         retained. Retention only ever extends: the latest deadline given for a node holds. A partial
         tail below ``node`` is not covered. Raises ``TypeError``/``ValueError`` for a deadline that is
         not a real number, ``CacheError`` for a node no longer in the tree."""
-        i = self._node_id(node, "retain")
+        i = self._node_id(node, "keep")
         if isinstance(until, bool) or not isinstance(until, (int, float)):
-            raise TypeError(f"retain: until must be a number of seconds on the tree's clock, got {until!r}")
+            raise TypeError(f"keep: until must be a number of seconds on the tree's clock, got {until!r}")
         if math.isnan(until):
-            raise ValueError("retain: until is NaN")
+            raise ValueError("keep: until is NaN")
         nodes, recency = self.node_table, self.recency
         if until > nodes.until[i]:
             nodes.until[i] = until
@@ -262,12 +263,12 @@ class RadixCache:
         A block's last use is the latest ``match`` or ``insert``/``adopt`` that used it: every whole
         block a match returns or an insert covers (cached already or adopted), and the partial tail
         a match copies from or an insert keeps (or finds there covering its tokens). Nothing else
-        (``peek``, ``lock``, ``unlock``, ``retain``, splits, evictions) changes it. A use always
+        (``peek``, ``lock``, ``unlock``, ``keep``, splits, evictions) changes it. A use always
         covers the path from the namespace root, so a block is never older than the blocks below it
         and the least recently used blocks are always at leaves."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        dropped = self.body.evict(num_blocks, self.clock)
+        dropped = evict_lru(self.body, num_blocks, self.clock)
         self.stats.evicted_blocks += dropped
         if dropped:
             self.changes.evicted()

@@ -9,13 +9,13 @@ Every evictable leaf (unpinned, no children, no partial tail, not a root) has on
 one of two tiers:
 
 - ``lru``: leaves without live retention, least recently used first;
-- ``kept``: leaves retained until a deadline still ahead on the tree's clock (``retained`` maps
+- ``kept``: leaves deadlines until a deadline still ahead on the tree's clock (``deadlines`` maps
   them to it), least recently used first, each deadline also in ``expiry``.
 
-``pop`` takes from ``lru`` while it has entries and only then from ``kept``: a retained leaf goes
+``pop`` takes from ``lru`` while it has entries and only then from ``kept``: a deadlines leaf goes
 only after every unretained one, and before anything is refused for lack of blocks. ``expire(now)``
 moves every leaf whose deadline has passed back into ``lru`` at its place by recency, which is
-exactly where a leaf never retained would be.
+exactly where a leaf never deadlines would be.
 
 The tiers are binary heaps of plain ints with lazy deletion: ``discard`` only forgets the leaf in
 ``where``; a heap entry counts only while ``where`` still gives its key and its tier matches, and
@@ -38,7 +38,7 @@ _SLACK = 1024  # stale entries a heap may carry beyond its live ones before it i
 class Recency:
     """The tiers of evictable leaves (see the module docstring) over a ``NodeTable``."""
 
-    __slots__ = ("nodes", "clock", "lru", "kept", "expiry", "where", "retained")
+    __slots__ = ("nodes", "clock", "lru", "kept", "expiry", "where", "deadlines")
 
     def __init__(self, nodes: NodeTable, clock):
         self.nodes = nodes
@@ -47,7 +47,7 @@ class Recency:
         self.kept: list[int] = []
         self.expiry: list[tuple[float, int]] = []
         self.where: dict[int, int] = {}       # leaf id -> its key
-        self.retained: dict[int, float] = {}  # leaf id -> deadline, for the leaves of ``kept``
+        self.deadlines: dict[int, float] = {}  # leaf id -> deadline, for the leaves of ``kept``
 
     def __len__(self) -> int:
         return len(self.where)
@@ -61,57 +61,57 @@ class Recency:
         self.where[i] = key
         until = self.nodes.until[i]
         if until and until > self.clock():
-            self.retained[i] = until
+            self.deadlines[i] = until
             heappush(self.kept, key)
             heappush(self.expiry, (until, key))
-            if len(self.kept) > 2 * len(self.retained) + _SLACK:
+            if len(self.kept) > 2 * len(self.deadlines) + _SLACK:
                 self._rebuild_kept()
         else:
             heappush(self.lru, key)
             if len(self.lru) > 2 * len(self.where) + _SLACK:
-                self.lru = [k for j, k in self.where.items() if j not in self.retained]
+                self.lru = [k for j, k in self.where.items() if j not in self.deadlines]
                 heapify(self.lru)
 
     def _rebuild_kept(self) -> None:
         where = self.where
-        self.kept = [where[j] for j in self.retained]
-        self.expiry = [(u, where[j]) for j, u in self.retained.items()]
+        self.kept = [where[j] for j in self.deadlines]
+        self.expiry = [(u, where[j]) for j, u in self.deadlines.items()]
         heapify(self.kept)
         heapify(self.expiry)
 
     def discard(self, i: int) -> None:
         """Forget leaf ``i`` if it has an entry (it was touched, locked, grew a child or left)."""
         if self.where.pop(i, None) is not None:
-            self.retained.pop(i, None)
+            self.deadlines.pop(i, None)
 
     def expire(self, now: float) -> None:
-        """Move every retained leaf whose deadline is at or before ``now`` back into ``lru``."""
-        expiry, where, retained = self.expiry, self.where, self.retained
+        """Move every deadlines leaf whose deadline is at or before ``now`` back into ``lru``."""
+        expiry, where, deadlines = self.expiry, self.where, self.deadlines
         while expiry and expiry[0][0] <= now:
             until, key = heappop(expiry)
             i = key & ID_MASK
-            if where.get(i) == key and retained.get(i) == until:
-                del retained[i]
+            if where.get(i) == key and deadlines.get(i) == until:
+                del deadlines[i]
                 heappush(self.lru, key)
 
     def pop(self) -> int | None:
         """Take the next leaf to evict: the least recently used unretained one, else the least
-        recently used retained one; None when there is no evictable leaf. Call ``expire`` first."""
-        where, retained = self.where, self.retained
+        recently used deadlines one; None when there is no evictable leaf. Call ``expire`` first."""
+        where, deadlines = self.where, self.deadlines
         lru = self.lru
         while lru:
             key = heappop(lru)
             i = key & ID_MASK
-            if where.get(i) == key and i not in retained:
+            if where.get(i) == key and i not in deadlines:
                 del where[i]
                 return i
         kept = self.kept
         while kept:
             key = heappop(kept)
             i = key & ID_MASK
-            if where.get(i) == key and i in retained:
+            if where.get(i) == key and i in deadlines:
                 del where[i]
-                del retained[i]
+                del deadlines[i]
                 return i
         return None
 
@@ -121,13 +121,13 @@ class Recency:
         nodes, now = self.nodes, self.clock()
         assert set(self.where) == leaves, \
             f"recency entries {sorted(self.where)} differ from the evictable leaves {sorted(leaves)}"
-        assert set(self.retained) <= set(self.where), "a retained entry is not a leaf"
+        assert set(self.deadlines) <= set(self.where), "a deadlines entry is not a leaf"
         lru, kept, expiry = set(self.lru), set(self.kept), set(self.expiry)
         for i, key in self.where.items():
             assert key == (nodes.access[i] << ID_BITS) | i, f"stale recency entry for node {i}"
-            if i in self.retained:
-                assert key in kept and (self.retained[i], key) in expiry, f"node {i}: not in its tier"
-                assert self.retained[i] == nodes.until[i], f"node {i}: retention changed in its tier"
+            if i in self.deadlines:
+                assert key in kept and (self.deadlines[i], key) in expiry, f"node {i}: not in its tier"
+                assert self.deadlines[i] == nodes.until[i], f"node {i}: retention changed in its tier"
             else:
                 assert key in lru, f"node {i} is in no tier"
-                assert not nodes.until[i] > now, f"node {i}: retained until {nodes.until[i]} but in lru"
+                assert not nodes.until[i] > now, f"node {i}: deadlines until {nodes.until[i]} but in lru"
