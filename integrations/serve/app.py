@@ -7,7 +7,8 @@
 - ``GET /openapi.json``: the OpenAPI document, every request body described by its model (open);
 - ``GET /v1/models`` (with each model's ``root`` and ``max_model_len``), ``GET /v1/loads`` (the
   load SGLang's model gateway polls, ``loads.py``), ``POST /v1/chat/completions``,
-  ``POST /v1/completions``, and Anthropic's ``POST /v1/messages`` (any query string) and
+  ``POST /v1/completions``, ``POST /v1/responses`` with ``GET`` / ``DELETE /v1/responses/{id}``
+  (stored responses), and Anthropic's ``POST /v1/messages`` (any query string) and
   ``POST /v1/messages/count_tokens``: behind the API key when the server has keys (a bearer or
   ``x-api-key``, the same key either way; SMG started with ``--api-key K`` sends
   ``Authorization: Bearer K`` on its polls too).
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,14 +38,16 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixcache import __version__
-from radixcache.integrations.serve import anthropic_messages, openai_completions
+from radixcache.integrations.serve import anthropic_messages, openai_completions, openai_responses
 from radixcache.integrations.serve import responses as R
 from radixcache.integrations.serve.errors import (APIError, bad_request, internal, method_not_allowed,
                                                   route_not_found, unavailable)
+from radixcache.integrations.serve.job import salt_of
 from radixcache.integrations.serve.limits import check_api_key
 from radixcache.integrations.serve.anthropic_protocol import (CountTokensRequest, MessagesRequest,
                                                               parse_count_tokens_request, parse_messages_request)
 from radixcache.integrations.serve.loads import worker_loads
+from radixcache.integrations.serve.openai_responses_request import ResponsesRequest, parse_responses_request
 from radixcache.integrations.serve.openapi import BodySchemas
 from radixcache.integrations.serve.protocol import (ChatCompletionRequest, CompletionRequest, parse_chat_request,
                                                     parse_completion_request)
@@ -150,6 +154,26 @@ def create_app(state) -> FastAPI:
     async def count_tokens(request: Request):
         key = authorize(request)
         return await anthropic_messages.count_tokens(state, parse_count_tokens_request(await _json_body(request)), key)
+
+    @app.post("/v1/responses", openapi_extra=bodies.body(ResponsesRequest))
+    async def responses(request: Request):
+        key = authorize(request)
+        job, turn = await openai_responses.responses_job(state, parse_responses_request(await _json_body(request)), key)
+        return await respond(state, job, request, partial(openai_responses.body, state, turn),
+                             partial(openai_responses.events, state, turn))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        stored = state.responses.get(response_id, salt_of(state, authorize(request)))
+        if stored is None:
+            raise openai_responses.not_found(response_id)
+        return stored.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        if not state.responses.delete(response_id, salt_of(state, authorize(request))):
+            raise openai_responses.not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     bodies.install(app)
     return app

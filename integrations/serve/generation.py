@@ -92,7 +92,8 @@ class Generation:
         self.choices = self.samples * job.choices if job.fanout else self.samples
         self.cached_tokens = 0
         self.first_token_at: float | None = None
-        self.previous = state.histories.previous(job.prompt_ids, job.salt) if job.conversation else None
+        self.previous = (state.histories.previous(job.prompt_ids, job.salt)
+                         if job.conversation and job.history_form else None)
         self._stream = None
 
     @property
@@ -202,7 +203,7 @@ class Generation:
         job, first = self.job, self.samples[0]
         self.state.metrics.observe_finished(first.finish, self.completion_tokens,
                                             time.perf_counter() - job.arrival)
-        if job.conversation is None or job.choices != 1:
+        if job.conversation is None or job.choices != 1 or not job.history_form:
             return  # with n > 1 the client echoes one of several replies: nothing to precompute
         reply = first.message() if job.reply_form is None else job.reply_form(first.message())
         task = self.state.spawn(precompute_history(self.state, job, first.tokens, reply))

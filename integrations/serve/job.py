@@ -54,7 +54,9 @@ class Job:
     set for a chat (its reply's history form is precomputed); ``parse_tools``: tool calls are
     parsed out of the reply. ``reply_form`` maps the reply (the OpenAI assistant message) to the
     message the protocol's client sends back next turn, in the same internal form (None: the
-    reply as it is), so that the history form is what the next request renders. ``arrival``
+    reply as it is), so that the history form is what the next request renders; ``history_form``:
+    the reply's history form is precomputed and the next turn's hit checked against it (False when
+    the next turn continues the job's own tokens, as a stored Responses turn does). ``arrival``
     starts the TTFT clock.
     """
 
@@ -68,6 +70,7 @@ class Job:
     conversation: Conversation | None = None
     parse_tools: bool = False
     reply_form: Callable[[dict], dict] | None = None
+    history_form: bool = True
     arrival: float = field(default_factory=time.perf_counter)
 
     @property

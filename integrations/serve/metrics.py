@@ -12,7 +12,8 @@ Names follow vLLM's where one exists, with the ``radixcache:`` prefix:
   ``e2e_request_latency_seconds``;
 - ``prefix_cache_short_hits_total{reason}`` and ``prefix_cache_short_hit_tokens_total{reason}``:
   requests whose hit stopped before the previous turn's history form, and the tokens that cost
-  (reasons from ``history.classify_hit``);
+  (reasons from ``history.classify_hit``, and ``previous_response_rendered_anew`` from
+  ``openai_responses``);
 - ``history_divergence_total{reason}``: replies whose history form departs from the computed
   tokens (reasons from ``history.history_after_reply``), and ``history_precompute_tokens_total``;
 - with a shared store, its counters as ``store_hit_tokens_total``, ``store_miss_blocks_total``,

@@ -26,6 +26,7 @@ from radixcache.integrations.serve.limits import AdmissionGate
 from radixcache.integrations.serve.token_log import TokenLog
 from radixcache.integrations.serve.metrics import ServerMetrics
 from radixcache.integrations.serve.render_thread import RenderThread
+from radixcache.integrations.serve.responses_store import ResponseStore
 
 logger = logging.getLogger("radixcache.serve")
 
@@ -87,6 +88,7 @@ class ServerState:
         self.gate = AdmissionGate(options.max_in_flight)
         self.histories = HistoryIndex()
         self.pending_histories = PendingHistories()
+        self.responses = ResponseStore()  # stored /v1/responses (previous_response_id, GET)
         self._render = RenderThread()
         self._background: set = set()
         self._shutdown_task = None
