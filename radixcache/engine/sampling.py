@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from radixcache.attention.plan import device_tensor
-from radixcache.engine.request import SamplingParams
+from radixcache.engine.request import SamplingParams, TokenLogprobs
 
 SEED_MULTIPLIER = 6364136223846793005  # Knuth's MMIX LCG constants: spread (seed, sample) pairs
 SEED_INCREMENT = 1442695040888963407
@@ -52,6 +52,20 @@ def choose(logits: torch.Tensor, rows: list[Row]) -> list[int]:
     index = device_tensor(sampled, tokens.device)
     tokens[index] = _sample(scores[index], [rows[i] for i in sampled])
     return tokens.tolist()
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: list[int]) -> list[TokenLogprobs]:
+    """Per row of ``logprobs [R, V]`` (log-softmax of raw logits): the logprob of ``tokens[r]`` and
+    the ``top[r]`` most likely ``(id, logprob)`` pairs, most likely first; one host read."""
+    index = device_tensor(tokens, logprobs.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0]
+    k = max(top)
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    chosen = chosen.tolist()
+    return [TokenLogprobs(chosen[r], tuple(zip(ids[r][:top[r]], values[r][:top[r]])) if k else ())
+            for r in range(len(tokens))]
 
 
 def _repetition_penalty(scores: torch.Tensor, rows: list[Row], indices: list[int]) -> torch.Tensor:
