@@ -87,6 +87,24 @@ def _message(exc: Exception) -> str:
     return _CPP_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
 
 
+def json_ebnf(schema: dict, strict: bool, what: str) -> str:
+    """The EBNF of ``schema``'s documents without free whitespace (``ConstraintError`` naming
+    ``what`` when xgrammar refuses the schema). xgrammar 0.2.9 writes a string with ``minLength`` /
+    ``maxLength`` as characters ``[^"\\\r\n]``, which lets control characters in and makes invalid
+    JSON: they are excluded here, as in its unbounded strings."""
+    xgr = _xgrammar()
+    try:
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS,
+                                               strict_mode=strict)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ConstraintError(f"{what} is invalid or unsupported: {_message(exc)}") from None
+    return str(grammar).replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
+
+
+_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\]'
+
+
 class Grammars:
     """The grammar compiler of one model (see the module docstring). Thread-safe."""
 
@@ -147,11 +165,11 @@ class Grammars:
         raise ConstraintError(f"unknown constraint kind {constraint.kind!r}")
 
     def _json(self, schema: dict, strict: bool, what: str):
+        ebnf = json_ebnf(schema, strict, what)
         try:
-            return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                                      separators=SEPARATORS, strict_mode=strict)
+            return self._compiler.compile_grammar(ebnf)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise ConstraintError(f"{what} is invalid or unsupported: {_message(exc)}") from None
+            raise ConstraintError(f"{what} could not be compiled: {_message(exc)}") from None
 
     def _tool_calls(self, constraint: OutputConstraint):
         xgr = _xgrammar()
@@ -162,14 +180,10 @@ class Grammars:
             name = tool["function"]["name"]
             if name not in constraint.tool_names:
                 continue
-            try:  # the arguments' grammar without free whitespace (a JSONSchemaFormat tag allows it)
-                arguments = xgr.Grammar.from_json_schema(json.dumps(_parameters(tool)), any_whitespace=False,
-                                                         separators=SEPARATORS, strict_mode=True)
-            except (RuntimeError, ValueError, TypeError) as exc:
-                raise ConstraintError(f"the parameters schema of tool {name!r} is invalid or unsupported: "
-                                      f"{_message(exc)}") from None
+            # the arguments' grammar without free whitespace (a JSONSchemaFormat tag allows it)
+            arguments = json_ebnf(_parameters(tool), True, f"the parameters schema of tool {name!r}")
             begin = f'{OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
-            tags.append(TagFormat(begin=begin, content=GrammarFormat(grammar=str(arguments)), end="}" + CLOSE))
+            tags.append(TagFormat(begin=begin, content=GrammarFormat(grammar=arguments), end="}" + CLOSE))
         if not tags:
             raise ConstraintError("no tool to call")
         calls = TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True,
