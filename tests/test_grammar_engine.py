@@ -168,9 +168,9 @@ def test_mask_is_per_row_in_a_mixed_batch(lm):
     tool_grammar = grammars().compile_now(tool_call_constraint(tools, parallel=False))
     prompts = [PROMPT, PROMPT[:3], [5, 6, 7, 8] * 5, PROMPT + [44], [77] * 9]
     requests = [Request("json", prompts[0], params(max_new=40), constraint=json_grammar),
-                Request("free", prompts[1], params(max_new=12)),
+                Request("free", prompts[1], params(max_new=50)),
                 Request("tools", prompts[2], params(max_new=60, sample=3), constraint=tool_grammar),
-                Request("free-sampled", prompts[3], params(max_new=12, sample=4)),
+                Request("free-sampled", prompts[3], params(max_new=50, sample=4)),
                 Request("two", prompts[4], params(max_new=40, sample=5, n=2), constraint=json_grammar)]
     together = BatchRun(lm.new_engine(max_running=32), requests).result()
     for request, samples in zip(requests, together):

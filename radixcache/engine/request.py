@@ -12,7 +12,9 @@ True; its ``finish_reason`` says why:
 - ``"abort"``: ``Engine.abort`` was called (the event carries no token);
 - ``"prefilled"``: a ``prefill_only`` request has its prompt's K/V in the cache (no token);
 - ``"error"``: the model failed in a step this request was part of (``error`` says how; what
-  earlier steps computed stays cached, nothing stays held; ``Engine.last_error`` is the exception).
+  earlier steps computed stays cached, nothing stays held; ``Engine.last_error`` is the exception),
+  or a constrained sample's grammar refused the chosen token (the mask makes that impossible; the
+  sample ends rather than go on off its grammar).
 
 Types here are plain data: they import no model code and are safe to pass between threads.
 """
