@@ -12,7 +12,7 @@ The server parses tool calls only for requests that have ``tools`` (and ``tool_c
 A call counts only if its name is one of the request's tools and its arguments are a JSON object;
 if any candidate fails, the whole reply is returned as plain content (never a half-parsed call).
 A reply whose calls were enforced by a grammar (``complete_only``) can only be cut short by
-``max_tokens``: its unterminated last block is dropped and the complete calls before it are kept.
+``max_tokens``: its unfinished last call is dropped and the complete calls before it are kept.
 ``arguments`` is returned exactly as the model wrote it (the JSON text), so a client that echoes it
 back and a template that writes it again reproduce the model's own characters where they can.
 """
@@ -91,14 +91,15 @@ def parse_tool_calls(text: str, tool_names, complete_only: bool = False) -> Pars
     """Split ``text`` into content and tool calls of the tools named in ``tool_names``.
 
     Returns ``ParsedReply(text, [])`` when the text holds no valid call (or any candidate is invalid).
-    With ``complete_only`` (a grammar-enforced reply), a last ``<tool_call>`` block without its
-    ``</tool_call>`` is dropped before parsing (a ``max_tokens`` cut).
+    With ``complete_only`` (a grammar-enforced reply: nothing but calls joined by newlines), what
+    follows the last ``</tool_call>`` is an unfinished call (a ``max_tokens`` cut) and is dropped.
     """
     names = set(tool_names)
-    if complete_only:
-        last = text.rfind(OPEN)
-        if last >= 0 and text.find(CLOSE, last) < 0:
-            text = text[:last].rstrip("\n")
+    if complete_only:  # only calls and newlines can be there: after the last close, a cut call
+        last = text.rfind(CLOSE)
+        text = text[:last + len(CLOSE)] if last >= 0 else ""
+        if not text:
+            return ParsedReply(None, [])
     if OPEN in text:
         calls, outside, pos = [], [], 0
         for block in _BLOCK.finditer(text):
