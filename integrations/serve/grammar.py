@@ -172,7 +172,6 @@ class Grammars:
             raise ConstraintError(f"{what} could not be compiled: {_message(exc)}") from None
 
     def _tool_calls(self, constraint: OutputConstraint):
-        xgr = _xgrammar()
         from xgrammar.structural_tag import GrammarFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
 
         tags = []
