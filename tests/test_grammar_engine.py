@@ -274,3 +274,24 @@ def test_bad_constraints_are_refused_before_anything_runs(lm):
     with pytest.raises(ValueError, match="logprobs must be at most 20"):
         SamplingParams(logprobs=21)
     assert not engine.has_work
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_mask_equals_the_cpu_mask_per_row():
+    """On CUDA logits the same rows get the same -inf entries as on CPU; other rows are untouched."""
+    import xgrammar as xgr
+
+    from radixcache.engine.grammar import GrammarMasks
+
+    tokenizer = embedded_tokenizer()
+    vocab = len(tokenizer)
+    grammar = grammars().compile_now(json_constraint())
+    matchers = [xgr.GrammarMatcher(grammar) for _ in range(2)]
+    assert matchers[1].accept_token(tokenizer("{", add_special_tokens=False)["input_ids"][0])
+    logits = torch.randn(5, vocab)
+    on_cpu, on_cuda = logits.clone(), logits.cuda()
+    GrammarMasks(vocab).mask_rows(on_cpu, [1, 3], matchers)
+    GrammarMasks(vocab).mask_rows(on_cuda, [1, 3], matchers)
+    assert torch.equal(on_cuda.cpu(), on_cpu)
+    assert torch.equal(on_cpu[[0, 2, 4]], logits[[0, 2, 4]]) and torch.isinf(on_cpu[[1, 3]]).any()
