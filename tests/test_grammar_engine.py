@@ -242,6 +242,27 @@ def test_special_tokens_are_never_allowed_inside_strings():
     assert allowed() == {EOS}
 
 
+def test_length_bounded_strings_allow_no_control_characters():
+    """xgrammar 0.2.9 lets control characters (invalid in JSON) into a string with maxLength; the
+    compiler's grammar does not (found by the property test above: a 0x1f token in a string)."""
+    import xgrammar as xgr
+
+    tokenizer = embedded_tokenizer()
+    vocab = len(tokenizer)
+    info = tokenizer_info(tokenizer, vocab, {EOS})
+    control = {i for i, text in enumerate(info.decoded_vocab) if i < vocab and any(b < 0x20 for b in text)}
+    assert 215 in control  # "ğ", the byte 0x1f
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}}, "required": ["s"]}
+    matcher = xgr.GrammarMatcher(grammars().compile_now(json_constraint(schema, strict=True)))
+    for t in tokenizer('{"s": "a', add_special_tokens=False)["input_ids"]:
+        assert matcher.accept_token(t)
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(bitmask)
+    bits = ((bitmask[0][:, None] >> torch.arange(32)) & 1).reshape(-1)[:vocab]
+    allowed = set(bits.nonzero()[:, 0].tolist())
+    assert tokenizer("b", add_special_tokens=False)["input_ids"][0] in allowed and not allowed & control
+
+
 def test_json_grammars_allow_no_free_whitespace():
     """Between JSON tokens only the separators' own spaces: no token that is only whitespace."""
     import xgrammar as xgr

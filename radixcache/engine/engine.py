@@ -30,7 +30,7 @@ from radixcache.engine import grammar
 from radixcache.engine.request import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREFILLED,
                                        FINISH_STOP, Event, Request, checked_prompt)
 from radixcache.engine.runner import EngineMetrics, ModelRunner
-from radixcache.engine.sampling import Row, choose, sample_generator, token_logprobs
+from radixcache.engine.sampling import Row, choose_step, sample_generator
 from radixcache.engine.scheduler import Scheduler
 from radixcache.engine.sequence import Live, Sequence
 
@@ -283,26 +283,16 @@ class Engine:
         if rows != list(range(len(rows))):
             logits = logits[device_tensor(rows, logits.device)]
         seqs = [s for s, _ in choosers]
-        logprob_rows = [i for i, s in enumerate(seqs) if s.request.params.logprobs is not None]
-        raw = torch.log_softmax(logits[device_tensor(logprob_rows, logits.device)].float(), dim=-1) \
-            if logprob_rows else None  # before the mask below changes ``logits`` in place
-        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
-        if constrained:  # in place: ``logits`` is this step's own tensor (the runner's, or a gather)
-            self._masks.mask_rows(logits, constrained, [seqs[i].matcher for i in constrained])
-        tokens = choose(logits, [Row(s.request.params, s.generator, s.seen) for s in seqs])
-        logprobs = [None] * len(seqs)
-        if raw is not None:
-            found = token_logprobs(raw, [tokens[i] for i in logprob_rows],
-                                   [seqs[i].request.params.logprobs for i in logprob_rows])
-            for i, entry in zip(logprob_rows, found):
-                logprobs[i] = entry
+        # in place: ``logits`` is this step's own tensor (the runner's, or the gather above)
+        tokens, logprobs = choose_step(logits, [Row(s.request.params, s.generator, s.seen, s.matcher)
+                                                for s in seqs], self._masks)
         self.manager.record_generated(len(tokens))
         for seq, token, entry in zip(seqs, tokens, logprobs):
             seq.tokens.append(token)
             if seq.seen is not None:
                 seq.seen.add(token)
             params = seq.request.params
-            done = seq.matcher is not None and self._advance_grammar(seq, token)
+            done = seq.matcher is not None and grammar.advance(seq.matcher, token)
             if done is None:
                 events.extend(self._finish(seq, FINISH_ERROR, None, entry,
                                            f"the grammar rejected token {token}"))
@@ -314,13 +304,6 @@ class Engine:
                 events.append(Event(seq.request.request_id, seq.sample, token, False, None,
                                     seq.live.cached_tokens, None, entry))
         return events
-
-    @staticmethod
-    def _advance_grammar(seq: Sequence, token: int) -> bool | None:
-        """Advance ``seq``'s matcher: True when its grammar ended, None when it refused ``token``."""
-        if not grammar.accept(seq.matcher, token):
-            return None
-        return grammar.terminated(seq.matcher)
 
     def _fork(self, leader: Sequence) -> list[Sequence]:
         """Samples 1..n-1 of ``leader``'s request, right after its prompt."""

@@ -5,7 +5,7 @@ scheduler thread: the engine only uses it). Each sample of such a request gets i
 ``GrammarMatcher`` (``new_matcher``). In a step, ``mask_rows`` fills the bitmask of every
 constrained row in one batched call and sets the logits of the tokens each grammar forbids to
 ``-inf`` in place, for those rows only (``indices``), on the logits' own device; free rows of the
-same batch are untouched. After the tokens are chosen, ``accept`` advances each matcher.
+same batch are untouched. After the tokens are chosen, ``advance`` moves each matcher on.
 
 xgrammar is imported only when a constrained request arrives, so the engine runs without it.
 """
@@ -65,11 +65,14 @@ class GrammarMasks:
 
 
 def accept(matcher, token: int) -> bool:
-    """Advance ``matcher`` by the chosen ``token``; False when its grammar forbids it (the mask
-    makes that impossible; the engine ends such a sample with an error rather than go on)."""
+    """Advance ``matcher`` by the chosen ``token``; False when its grammar forbids it."""
     return bool(matcher.accept_token(token))
 
 
-def terminated(matcher) -> bool:
-    """The grammar has ended: its stop token was accepted."""
+def advance(matcher, token: int) -> bool | None:
+    """Advance ``matcher`` by ``token``: True when its grammar has ended (its stop token), None when
+    it refuses ``token`` (the mask makes that impossible; the engine then ends the sample with an
+    error rather than go on off the grammar)."""
+    if not accept(matcher, token):
+        return None
     return bool(matcher.is_terminated())

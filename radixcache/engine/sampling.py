@@ -29,12 +29,32 @@ def sample_generator(seed: int, sample: int) -> torch.Generator:
 
 @dataclass
 class Row:
-    """One logits row to turn into a token: its settings, its generator and, for a repetition
-    penalty, the ids it has seen (prompt and generated)."""
+    """One logits row to turn into a token: its settings, its generator, for a repetition
+    penalty the ids it has seen (prompt and generated), and the grammar matcher of a constrained
+    request (``radixcache.engine.grammar``)."""
 
     params: SamplingParams
     generator: torch.Generator | None
     seen: set | None = None
+    matcher: object = None
+
+
+def choose_step(logits: torch.Tensor, rows: list[Row], masks) -> tuple[list[int], list]:
+    """A step's tokens (``choose``) after ``masks`` (a ``GrammarMasks``) masked the constrained
+    rows of ``logits`` in place, and per row its ``TokenLogprobs`` (None unless its params ask),
+    read from the logits before any of that."""
+    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw = torch.log_softmax(logits[device_tensor(asking, logits.device)].float(), dim=-1) if asking else None
+    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    if constrained:
+        masks.mask_rows(logits, constrained, [rows[i].matcher for i in constrained])
+    tokens = choose(logits, rows)
+    logprobs = [None] * len(rows)
+    if asking:
+        found = token_logprobs(raw, [tokens[i] for i in asking], [rows[i].params.logprobs for i in asking])
+        for i, entry in zip(asking, found):
+            logprobs[i] = entry
+    return tokens, logprobs
 
 
 def choose(logits: torch.Tensor, rows: list[Row]) -> list[int]:
