@@ -202,3 +202,29 @@ def test_langchain_with_structured_output(served, client):
     assert isinstance(verdict, Verdict)
     raw = llm.with_structured_output(Verdict, include_raw=True).invoke("Is Paris in France?")
     assert raw["parsing_error"] is None and raw["parsed"] == verdict
+
+
+# ---------------------------------------------------------------------- the compiler's cache
+def test_grammars_are_cached_by_kind_schema_and_options():
+    import asyncio
+
+    from grammar_cases import grammars
+    from radixcache.integrations.serve.constraints import json_constraint, tool_call_constraint
+    from radixcache.integrations.serve.grammar import ConstraintError
+
+    g = grammars()
+    reordered = dict(reversed(list(SCHEMA.items())))
+    first = g.compile_now(json_constraint(SCHEMA, strict=True))
+    assert g.compile_now(json_constraint(reordered, strict=True)) is first  # canonical JSON
+    assert g.compile_now(json_constraint(SCHEMA, strict=False)) is not first
+    assert g.compile_now(tool_call_constraint(TOOLS, parallel=False)) is not g.compile_now(tool_call_constraint(TOOLS))
+
+    async def together():
+        c = tool_call_constraint(TOOLS, "get_time")
+        return await asyncio.gather(g.compile(c), g.compile(c))
+
+    a, b = asyncio.run(together())
+    assert a is b
+    for _ in range(2):  # a refused schema is not cached: the error names it every time
+        with pytest.raises(ConstraintError, match='Unsupported type "strin"'):
+            g.compile_now(json_constraint({"type": "strin"}))

@@ -120,7 +120,8 @@ class Grammars:
     async def compile(self, constraint: OutputConstraint):
         """The compiled grammar of ``constraint`` (from the cache, or compiled on the worker thread);
         raises ``ConstraintError``."""
-        return await asyncio.wrap_future(self._future(constraint))
+        # shielded: a client that goes away must not cancel a compile other requests wait for
+        return await asyncio.shield(asyncio.wrap_future(self._future(constraint)))
 
     def compile_now(self, constraint: OutputConstraint):
         """``compile`` from a plain thread (blocks until compiled)."""
@@ -141,7 +142,7 @@ class Grammars:
             self._cache[key] = future
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        future.add_done_callback(lambda f: f.exception() is not None and self._forget(key, f))
+        future.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and self._forget(key, f))
         return future
 
     def _forget(self, key, future) -> None:
