@@ -83,7 +83,7 @@ def test_json_schema_outputs_parse_and_validate(lm, case, seeds):
         assert text == dumps(document)  # no whitespace the separators do not write
 
 
-@PROPERTY
+@settings(PROPERTY, max_examples=4)
 @given(seeds=st.lists(st.integers(0, 2**30), min_size=1, max_size=3))
 def test_json_object_outputs_are_objects_or_valid_prefixes(lm, seeds):
     """json_object has no bound: what ends with EOS is one JSON object; what max_new_tokens cuts is
@@ -316,3 +316,19 @@ def test_cuda_mask_equals_the_cpu_mask_per_row():
     GrammarMasks(vocab).mask_rows(on_cuda, [1, 3], matchers)
     assert torch.equal(on_cuda.cpu(), on_cpu)
     assert torch.equal(on_cpu[[0, 2, 4]], logits[[0, 2, 4]]) and torch.isinf(on_cpu[[1, 3]]).any()
+
+
+def test_a_preempted_constrained_sample_resumes_its_grammar(model):
+    """A pool too small for both samples preempts one mid-document; it resumes where its matcher
+    stands and both end exactly as each does alone, valid."""
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "minItems": 12, "maxItems": 12, "items": {
+        "type": "integer", "minimum": 100, "maximum": 999}}}, "required": ["xs"]}
+    grammar = grammars().compile_now(json_constraint(schema, strict=True))
+    small = radixcache.wrap(model, block_size=16, max_cache_tokens=16 * 9)
+    requests = [Request(i, [3 + i] * 30, params(max_new=120), constraint=grammar) for i in range(2)]
+    together = BatchRun(small.new_engine(), requests).result()
+    assert small.manager.ledger.preemptions > 0
+    for request, samples in zip(requests, together):  # alone: on a fresh pool of the same size
+        alone = radixcache.wrap(model, block_size=16, max_cache_tokens=16 * 9)
+        assert samples == BatchRun(alone.new_engine(), [request]).result()[0]
+        jsonschema.validate(json.loads(text_of(samples[0])), schema)
