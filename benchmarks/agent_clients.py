@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     from agent_clients import Sandbox
 
     work = Path(args.work or tempfile.mkdtemp(prefix="agent-clients-"))
+    work.mkdir(parents=True, exist_ok=True)
     log_path = work / "tokens.jsonl"
     rows, summary = [], []
     with Sandbox() as sandbox:

@@ -282,8 +282,10 @@ class Served:
         return httpx.get(self.base_url + "/metrics", timeout=30).text
 
     def quiet(self, timeout_s: float = 60.0) -> None:
+        """Wait until the engine holds nothing: no open request, no work, no live lease (a history
+        precompute is submitted from a background task just after a reply ends)."""
         deadline = time.monotonic() + timeout_s
-        while self.engine.open_requests or self.engine.engine.has_work:
+        while self.engine.open_requests or self.engine.engine.has_work or self.lm.stats()["running"]:
             assert time.monotonic() < deadline, "the engine did not become idle"
             time.sleep(0.01)
 

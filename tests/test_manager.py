@@ -148,3 +148,27 @@ def test_reset_stats_zeroes_every_counter_stats_reports():
     assert all(after[k] == 0 for k in counters), {k: after[k] for k in counters}
     assert after["cached_tokens"] == before["cached_tokens"]
     mgr.check()
+
+
+def test_admit_copies_a_tail_that_eviction_takes_first():
+    """A full pool whose least recently used block is the one a new prompt partly matches (the
+    source of its partial-tail copy): the eviction that makes room for the copy takes the source
+    itself. Admission must neither fail nor leave a pin behind: the evicted block becomes the
+    lease's own (regression: OutOfBlocks from inside admit, with the match left locked)."""
+    mgr = CacheManager(4, 2, pool=ContentPool(4, 2))
+    for tokens in [(1, 2, 3, 4), (5, 6)]:  # blocks (1, 2) (3, 4), then (5, 6): 3 cached, 1 free
+        lease = mgr.admit(tokens, count=False)
+        mgr.grow(lease, len(tokens))
+        mgr.commit(lease, tokens, len(tokens))
+        mgr.release(lease, tokens)
+    holder = mgr.admit((9, 9, 9), count=False)
+    mgr.grow(holder, 2)  # the free block is taken: 0 free; evictable: (3, 4) (LRU) and (5, 6)
+    assert mgr.allocator.num_free == 0
+    lease = mgr.admit((1, 2, 3, 9, 9))  # (1, 2) whole, then (3) of the block (3, 4)
+    assert lease.computed == 3 and lease.cached_tokens == 3 and len(lease.blocks) == 2
+    assert mgr.allocator.refcount(lease.blocks[1]) == 1 and not mgr.tree.holds(lease.blocks[1])
+    mgr.check()
+    mgr.release(lease)
+    mgr.release(holder)
+    mgr.check()
+    assert mgr.tree.pinned_blocks == 0 and mgr.tree.leaks() == []

@@ -152,13 +152,18 @@ def test_disable_parallel_tool_use_answers_one_call_and_none_answers_text(served
     served.assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=anthropic.BadRequestError, reason="constraint enforcement not merged")
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"},
                                     {"type": "any", "disable_parallel_tool_use": True}])
 def test_any_and_tool_force_a_call_that_matches_the_schema(served, choice):
-    served.say(USER, "I will not call anything.", tools=[WEATHER_OPENAI])
+    """The model would answer in text; the grammar forces a call (its string bounded, so that the
+    tiny model's forced choices cannot run a string past max_tokens)."""
+    bounded = {**WEATHER, "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                                           "required": ["city"]}}
+    bounded_openai = {"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
+                                                       "parameters": bounded["input_schema"]}}
+    served.say(USER, "I will not call anything.", tools=[bounded_openai])
     with client(served) as c:
-        message = create(c, max_tokens=512, tools=[WEATHER], tool_choice=choice, extra_body=GREEDY)
+        message = create(c, max_tokens=512, tools=[bounded], tool_choice=choice, extra_body=GREEDY)
     calls = [b for b in message.content if b.type == "tool_use"]
     assert message.stop_reason == "tool_use" and calls and calls[0].name == "get_weather"
     assert all(isinstance(b.input.get("city"), str) for b in calls)

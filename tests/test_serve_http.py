@@ -88,7 +88,7 @@ def test_api_key_is_required(server):
     ({"messages": MESSAGES, "n": 0}, "n", "greater than or equal to 1"),
     ({"messages": [{"role": "assistant", "content": None}]}, "messages.0", "content or tool_calls"),
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, None, "only allowed when stream"),
-    ({"messages": MESSAGES, "logprobs": True}, None, "logprobs"),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"messages": long_messages(600)}, "messages", "maximum context length is 512"),
     ({"messages": long_messages(400)}, "messages", "pool holds only 320"),
     ({"messages": MESSAGES, "max_tokens": 600}, "max_tokens", "plus max_tokens (600) exceeds"),

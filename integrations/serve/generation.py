@@ -34,12 +34,15 @@ logger = logging.getLogger("radixcache.serve")
 
 
 class Delta(NamedTuple):
-    """New output of one choice: content text, whole tool calls at the end, the finish reason."""
+    """New output of one choice: content text, whole tool calls at the end, the finish reason, and
+    (when the job asked for logprobs) the ``(token id, TokenLogprobs)`` of every token generated
+    since the choice's previous delta, so a choice's deltas carry one entry per completion token."""
 
     index: int
     content: str
     tool_calls: list | None
     finish_reason: str | None
+    logprobs: list | None = None
 
 
 class Sample:
@@ -48,8 +51,14 @@ class Sample:
     def __init__(self, state, job: Job):
         self.text = TextAssembler(state.tokenizer, job.stop_strings, job.request.params.stop_token_ids)
         tools = job.conversation.tools if job.conversation is not None else None
-        self.tools = ToolCallStream([t["function"]["name"] for t in tools or []]) if job.parse_tools else None
+        forced = job.constraint is not None and job.constraint.kind == "tool_calls"
+        if forced and not tools:
+            tools = list(job.constraint.tools)
+        self.tools = (ToolCallStream([t["function"]["name"] for t in tools or []], complete_only=forced)
+                      if job.parse_tools else None)
         self.tokens: list[int] = []
+        self.logprobs: list | None = [] if job.request.params.logprobs is not None else None
+        self.logprobs_sent = 0
         self.content = ""
         self.tool_calls: list | None = None
         self.finish: str | None = None
@@ -71,6 +80,13 @@ class Sample:
                 reason = "tool_calls"
         self.finish = reason
         return out, self.tool_calls, reason
+
+    def unsent_logprobs(self) -> list | None:
+        """The logprob entries not yet handed out in a delta (None when the job asked for none)."""
+        if self.logprobs is None:
+            return None
+        out, self.logprobs_sent = self.logprobs[self.logprobs_sent:], len(self.logprobs)
+        return out
 
     def message(self) -> dict:
         """The reply as an assistant message (content None when it is only tool calls)."""
@@ -124,6 +140,8 @@ class Generation:
             if event.token is not None:
                 self._timed(sample)
                 sample.tokens.append(event.token)
+                if sample.logprobs is not None and event.logprobs is not None:
+                    sample.logprobs.append((event.token, event.logprobs))
                 text = sample.feed(sample.text.push(event.token))
             reason = event.finish_reason
             if sample.text.stopped:  # a stop string: this sample is done, whatever the engine says
@@ -136,12 +154,15 @@ class Generation:
                 raise self._aborted()
             indices = range(self.job.choices) if self.job.fanout else (event.sample,)
             if reason is None:
-                for i in indices if text else ():
-                    yield Delta(i, text, None, None)
+                if text:
+                    entries = sample.unsent_logprobs()
+                    for i in indices:
+                        yield Delta(i, text, None, None, entries)
                 continue
             more, calls, reason = sample.end(reason)
+            entries = sample.unsent_logprobs()
             for i in indices:
-                yield Delta(i, text + more, calls, reason)
+                yield Delta(i, text + more, calls, reason, entries)
             if self.finished:  # after the last delta went out: the next turn's work, in the background
                 self._finished()
         if not self.finished:

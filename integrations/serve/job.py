@@ -22,6 +22,7 @@ one request type from here to the scheduler; ``SamplingParams`` and ``Request`` 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -31,6 +32,7 @@ from radixcache.engine.request import check_vocabulary
 from radixcache.integrations.serve.chat_template import RenderedPrompt, RenderError
 from radixcache.integrations.serve.constraints import OutputConstraint
 from radixcache.integrations.serve.errors import bad_request
+from radixcache.integrations.serve.grammar import ConstraintError
 from radixcache.integrations.serve.limits import max_new_tokens, tenant_salt
 from radixcache.integrations.serve.responses import new_id
 
@@ -57,7 +59,8 @@ class Job:
     reply as it is), so that the history form is what the next request renders; ``history_form``:
     the reply's history form is precomputed and the next turn's hit checked against it (False when
     the next turn continues the job's own tokens, as a stored Responses turn does). ``arrival``
-    starts the TTFT clock.
+    starts the TTFT clock. ``constraint``: what the output must satisfy (compiled into the
+    request's grammar by ``constrain`` before it is submitted).
     """
 
     protocol: str
@@ -71,6 +74,7 @@ class Job:
     parse_tools: bool = False
     reply_form: Callable[[dict], dict] | None = None
     history_form: bool = True
+    constraint: OutputConstraint | None = None
     arrival: float = field(default_factory=time.perf_counter)
 
     @property
@@ -114,15 +118,15 @@ def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api
             n: int = 1, seed: int | None = None, stop=(), stream: bool = False, include_usage: bool = False,
             keep_s: float | None = None, conversation: Conversation | None = None,
             parse_tools: bool = False, clamp_max_tokens: bool = False,
-            constraint: OutputConstraint | None = None,
+            constraint: OutputConstraint | None = None, logprobs: int | None = None,
             reply_form: Callable[[dict], dict] | None = None) -> Job:
     """The ``Job`` for a prompt and its settings (see the module docstring); raises ``APIError`` 400
     naming what cannot be served (the response id is ``id_prefix-<hex>``). ``max_tokens`` is capped
     by ``--max-output-tokens``; over what the context leaves it is a 400, or, with
     ``clamp_max_tokens`` (protocols whose cap is only a ceiling), lowered to it. ``constraint`` is
-    what the output must satisfy (``constraints.py``); ``reply_form`` see ``Job``."""
-    if constraint is not None:
-        raise bad_request(f"constrained output ({constraint.kind}) is not supported by this server yet")
+    what the output must satisfy (``constraints.py``; ``respond`` compiles it before the engine
+    sees the request); a "tool_calls" constraint parses tool calls. ``logprobs``: every token's
+    logprob and that many alternatives (None: none); ``reply_form`` see ``Job``."""
     limits = state.limits
     prompt_ids = tuple(prompt_ids)
     try:
@@ -137,13 +141,27 @@ def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api
                                 temperature=1.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                 top_k=0 if greedy else top_k, n=1 if greedy else n,
                                 seed=None if seed is None else seed % SEED_RANGE,
-                                stop_token_ids=state.info.stop_token_ids)
+                                stop_token_ids=state.info.stop_token_ids, logprobs=logprobs)
         request = Request(new_id(id_prefix), prompt_ids, params,
                           cache_salt=salt_of(state, api_key), keep_s=keep_s)
     except (TypeError, ValueError) as exc:
         raise bad_request(str(exc)) from None
+    parse_tools = parse_tools or (constraint is not None and constraint.kind == "tool_calls")
     return Job(protocol, model, request, n, tuple(stop), stream, include_usage, conversation, parse_tools,
-               reply_form)
+               reply_form=reply_form, constraint=constraint)
+
+
+async def constrain(state, job: Job) -> Job:
+    """``job`` with its constraint compiled into the engine request's grammar (on the grammar
+    worker thread, cached); an invalid schema is a 400 naming it. A job without one is returned
+    as it is."""
+    if job.constraint is None:
+        return job
+    try:
+        grammar = await state.grammars.compile(job.constraint)
+    except ConstraintError as exc:
+        raise bad_request(str(exc)) from None
+    return dataclasses.replace(job, request=dataclasses.replace(job.request, constraint=grammar))
 
 
 def history_request(token_ids, salt: str | None, keep_s: float | None) -> Request:

@@ -23,7 +23,7 @@ def _settings(req, key) -> dict:
     """The sampling settings and session hints shared by both protocols, for ``new_job``."""
     return dict(api_key=key, max_tokens=req.max_new_tokens, temperature=req.effective_temperature,
                 top_p=req.effective_top_p, n=req.n, seed=req.seed, stop=req.stop_strings, stream=req.stream,
-                include_usage=req.include_usage, keep_s=req.keep_s)
+                include_usage=req.include_usage, keep_s=req.keep_s, logprobs=req.logprobs_k)
 
 
 async def chat_job(state, req, key: str | None) -> Job:
@@ -33,7 +33,7 @@ async def chat_job(state, req, key: str | None) -> Job:
                                 [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
     prompt = await render_conversation(state, conversation, key)
     return new_job(state, "chat", model, prompt.token_ids, id_prefix="chatcmpl", conversation=conversation,
-                   parse_tools=req.parses_tool_calls, **_settings(req, key))
+                   parse_tools=req.parses_tool_calls, constraint=req.output_constraint(), **_settings(req, key))
 
 
 async def completion_job(state, req, key: str | None) -> Job:
@@ -50,13 +50,29 @@ def _usage(generation) -> dict:
     return R.usage(len(generation.job.prompt_ids), generation.completion_tokens, generation.cached_tokens)
 
 
+def _decoder(generation):
+    tokenizer = generation.state.tokenizer
+    return lambda token_id: tokenizer.decode([token_id])
+
+
+def _logprobs(generation, entries, offset: int = 0) -> dict | None:
+    """A choice's ``logprobs`` for ``entries`` in the job's protocol (None when it asked for none)."""
+    if entries is None:
+        return None
+    if generation.job.protocol == "chat":
+        return R.chat_logprobs(entries, _decoder(generation))
+    return R.completion_logprobs(entries, _decoder(generation), offset)
+
+
 def body(generation) -> dict:
     """The JSON body of a finished chat completion or completion."""
     job, created = generation.job, R.now()
     if job.protocol == "chat":
-        choices = [R.chat_choice(i, c.message(), c.finish) for i, c in enumerate(generation.choices)]
+        choices = [R.chat_choice(i, c.message(), c.finish, _logprobs(generation, c.logprobs))
+                   for i, c in enumerate(generation.choices)]
         return R.chat_completion(generation.request_id, created, job.model, choices, _usage(generation))
-    choices = [R.text_choice(i, c.content, c.finish) for i, c in enumerate(generation.choices)]
+    choices = [R.text_choice(i, c.content, c.finish, _logprobs(generation, c.logprobs))
+               for i, c in enumerate(generation.choices)]
     return R.completion(generation.request_id, created, job.model, choices, _usage(generation))
 
 
@@ -73,16 +89,20 @@ async def chunks(generation):
     try:
         if chat:
             yield chunk([R.delta_choice(i, {"role": "assistant", "content": ""}) for i in range(job.choices)])
+        offsets = [0] * job.choices  # a completion's text_offset, per choice
         async for d in generation.deltas():
             last = d.finish_reason is not None and generation.finished
             usage_ = _usage(generation) if last and not job.include_usage else None
+            logprobs = _logprobs(generation, d.logprobs, offsets[d.index])
             if chat:
                 delta = {"content": d.content} if d.content else {}
                 if d.tool_calls:
                     delta["tool_calls"] = R.tool_call_deltas(d.tool_calls)
-                yield chunk([R.delta_choice(d.index, delta, d.finish_reason)], usage_)
+                yield chunk([R.delta_choice(d.index, delta, d.finish_reason, logprobs)], usage_)
             else:
-                yield chunk([R.text_choice(d.index, d.content, d.finish_reason)], usage_)
+                if logprobs is not None:
+                    offsets[d.index] += sum(len(t) for t in logprobs["tokens"])
+                yield chunk([R.text_choice(d.index, d.content, d.finish_reason, logprobs)], usage_)
         if job.include_usage:
             yield (R.sse(R.chat_chunk(rid, created, job.model, [], _usage(generation))) if chat
                    else R.sse(R.completion(rid, created, job.model, [], _usage(generation))))

@@ -7,15 +7,17 @@ dotted path, e.g. ``messages.2.role``). Numbers are strict: ``"3"`` is not a ``m
 What is honoured: every message role (system, developer, user, assistant with ``tool_calls`` and
 ``content: null``, tool), ``tools`` / ``tool_choice``, ``stream`` and ``stream_options.include_usage``,
 ``n``, ``temperature`` (OpenAI's meaning: 0 is greedy, the default 1 samples), ``top_p``,
-``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``. The cache finds a prefix by its
+``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``, ``logprobs`` (chat: with
+``top_logprobs`` up to 20; completions: an int up to 5), and structured output
+(``output_constraint``): chat's ``response_format`` json_object / json_schema, and ``tool_choice``
+"required" or a named function with ``parallel_tool_calls``. The cache finds a prefix by its
 tokens alone; ``prompt_cache_key`` (a session) and ``prompt_cache_retention`` ("in_memory": a few
 minutes, "24h": a day; anything else is a 400) become a retention hint (``keep_s``): what the
 request computed is evicted only after prefixes without a live hint. A key without a retention means
 "in_memory", OpenAI's default. Fields that would change
-the output but are not implemented (``logprobs``, penalties, ``logit_bias``, a JSON
-``response_format``, ``echo``, ``suffix``, ``best_of`` > 1) are refused with 400 rather than ignored;
-fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ...) and
-unknown fields are accepted and ignored.
+the output but are not implemented (penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1)
+are refused with 400 rather than ignored; fields that change nothing here (``user``, ``metadata``,
+``store``, ...) and unknown fields are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from radixcache.integrations.serve.constraints import OutputConstraint, json_constraint, tool_call_constraint
 from radixcache.integrations.serve.errors import APIError, bad_request
 from radixcache.integrations.serve.messages import ROLES, APIModel, Message, NamedToolChoice, Tool
 
 MAX_N = 128
 MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's bound)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's bound)
 
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 # prompt_cache_retention -> seconds a finished request's prefix is retained (OpenAI keeps "in_memory"
@@ -53,7 +58,6 @@ class _Sampling(APIModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     user: str | None = None
-    logprobs: Any = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
@@ -75,8 +79,6 @@ class _Sampling(APIModel):
     def _refuse_unimplemented(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.logprobs not in (None, False):
-            raise ValueError("logprobs are not supported by this server")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ValueError(f"{name} is not supported by this server (only 0)")
@@ -118,15 +120,16 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    top_logprobs: int | None = None
+    logprobs: Annotated[bool, Field(strict=True)] | None = None
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: dict | None = None
+    parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = None
 
     @model_validator(mode="after")
     def _check_tools(self):
-        if self.top_logprobs is not None:
-            raise ValueError("top_logprobs is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        _check_response_format(self.response_format)
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")
@@ -147,11 +150,56 @@ class ChatCompletionRequest(_Sampling):
         """Tool calls are parsed out of the reply only when the request has tools and allows calls."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token for the engine's logprobs (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def output_constraint(self) -> OutputConstraint | None:
+        """What the reply must satisfy: tool calls for ``tool_choice`` "required" or a named
+        function (one call when ``parallel_tool_calls`` is false), else a JSON ``response_format``;
+        None for free text. Both at once is a 400."""
+        tools = None
+        if self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)):
+            forced = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+            tools = tool_call_constraint([t.model_dump(exclude_none=True) for t in self.tools], forced,
+                                         parallel=self.parallel_tool_calls is not False)
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return tools
+        if tools is not None:
+            raise bad_request("response_format and a required tool_choice cannot both constrain the reply",
+                              param="response_format")
+        if kind == "json_object":
+            return json_constraint()
+        spec = fmt["json_schema"]
+        return json_constraint(spec.get("schema") or {"type": "object"}, strict=spec.get("strict") is True)
+
+
+def _check_response_format(fmt) -> None:
+    """``ValueError`` naming what is wrong in a chat ``response_format`` (OpenAI's three shapes)."""
+    if fmt is None:
+        return
+    kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if kind != "json_schema":
+        return
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ValueError("response_format.json_schema must be an object with the schema")
+    if "schema" in spec and not isinstance(spec["schema"], dict):
+        raise ValueError("response_format.json_schema.schema must be a JSON object")
+    if "strict" in spec and not isinstance(spec["strict"], (bool, type(None))):
+        raise ValueError("response_format.json_schema.strict must be a boolean")
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt, as text or as token ids."""
 
     prompt: Any
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     max_tokens: PositiveInt = 16
     echo: bool = False
     suffix: str | None = None
@@ -187,6 +235,11 @@ class CompletionRequest(_Sampling):
     @property
     def max_new_tokens(self) -> int:
         return self.max_tokens
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token for the engine's logprobs (None: no logprobs)."""
+        return self.logprobs
 
 
 # ---------------------------------------------------------------------- parsing

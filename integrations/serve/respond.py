@@ -1,7 +1,8 @@
 """Run a ``Job`` and answer it, for any protocol: the admission slot, the engine, a JSON body or an
 SSE stream, and a client that goes away.
 
-``respond(state, job, http_request, body, chunks)`` takes an admission slot (429 when none is left),
+``respond(state, job, http_request, body, chunks)`` compiles the job's output constraint (if any;
+off the event loop), takes an admission slot (429 when none is left),
 starts the ``Generation`` (the engine's refusals are 400 / 503 before any response starts) and then:
 
 - ``job.stream``: a ``StreamingResponse`` of the text ``chunks(generation)`` yields (the protocol's
@@ -22,12 +23,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from radixcache.integrations.serve.errors import unavailable
 from radixcache.integrations.serve.generation import Generation
+from radixcache.integrations.serve.job import constrain
 
 
 async def respond(state, job, http_request: Request, body, chunks):
     """See the module docstring."""
     if state.engine is None:
         raise unavailable("no generation engine is attached to this server")
+    job = await constrain(state, job)  # an invalid schema is a 400 before any slot is taken
     slot = state.gate.acquire()
     try:
         generation = Generation(state, job, slot)

@@ -52,8 +52,33 @@ def assistant_message(content: str | None, tool_calls: list[dict] | None) -> dic
     return message
 
 
-def chat_choice(index: int, message: dict, finish_reason: str) -> dict:
-    return {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
+def chat_choice(index: int, message: dict, finish_reason: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries, decode) -> dict:
+    """A chat choice's ``logprobs``: one ``content`` entry per ``(token id, TokenLogprobs)`` of
+    ``entries``, each with its ``top_logprobs``; ``decode(id)`` is a token's text (its ``bytes`` are
+    that text's UTF-8, so a token that is part of a character reads as U+FFFD)."""
+    return {"content": [{**_token(decode(t), lp.logprob),
+                         "top_logprobs": [_token(decode(i), v) for i, v in lp.top]} for t, lp in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries, decode, offset: int = 0) -> dict:
+    """A completion choice's legacy ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset`` counted from ``offset``) for ``(token id, TokenLogprobs)`` ``entries``."""
+    tokens = [decode(t) for t, _ in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in entries],
+            "top_logprobs": [{decode(i): v for i, v in lp.top} for _, lp in entries], "text_offset": offsets}
 
 
 def chat_completion(response_id: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
@@ -72,9 +97,9 @@ def chat_chunk(response_id: str, created: int, model: str, choices: list[dict],
     return chunk
 
 
-def delta_choice(index: int, delta: dict, finish_reason: str | None = None) -> dict:
+def delta_choice(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
     """A streamed choice: ``delta`` holds ``role``, ``content`` and/or ``tool_calls`` pieces."""
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def tool_call_deltas(tool_calls: list[dict]) -> list[dict]:
@@ -82,9 +107,9 @@ def tool_call_deltas(tool_calls: list[dict]) -> list[dict]:
     return [{"index": i, **call} for i, call in enumerate(tool_calls)]
 
 
-def text_choice(index: int, text: str, finish_reason: str | None) -> dict:
+def text_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     """A ``/v1/completions`` choice (whole, or one streamed piece)."""
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion(response_id: str, created: int, model: str, choices: list[dict], usage_: dict | None,

@@ -2,7 +2,7 @@
 
 ``load_model_info(model_dir)`` reads the tokenizer, config and generation config of a local model
 directory (never the weights, never a hub) into a ``ModelInfo``. ``ServerState`` bundles it with
-the ``EngineClient`` (None: no engine attached, generation answers 503), the metrics, the
+the grammar compiler of structured output (``grammar.py``), the ``EngineClient`` (None: no engine attached, generation answers 503), the metrics, the
 admission gate, the history index, one worker thread for template rendering and tokenizing (so the
 event loop never waits on it; prompts go ahead of history work), and the background tasks it
 starts (history forms and their precomputes). ``shutdown()`` (Ctrl-C, or the app's lifespan)
@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from radixcache.integrations.serve.chat_template import ChatRenderer
 from radixcache.integrations.serve.engine_client import EngineLimits, EngineOverloaded
+from radixcache.integrations.serve.grammar import Grammars
 from radixcache.integrations.serve.history_index import HistoryIndex
 from radixcache.integrations.serve.history_work import PendingHistories
 from radixcache.integrations.serve.job import history_request
@@ -82,6 +83,7 @@ class ServerState:
         self.tokenizer = tokenizer
         self.info = info
         self.renderer = ChatRenderer(tokenizer, options.chat_template)
+        self.grammars = Grammars(tokenizer, info.vocab_size, info.stop_token_ids)  # compiles on first use
         self.model_names = tuple(options.served_model_names) or (info.name,)
         self.metrics = ServerMetrics()
         self.attach_engine(engine)
@@ -182,5 +184,6 @@ class ServerState:
         if self.engine is not None:
             await self.engine.close()
         self._render.close()
+        self.grammars.close()
         if self.token_log is not None:
             self.token_log.close()

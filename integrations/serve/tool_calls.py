@@ -11,6 +11,8 @@ The server parses tool calls only for requests that have ``tools`` (and ``tool_c
 
 A call counts only if its name is one of the request's tools and its arguments are a JSON object;
 if any candidate fails, the whole reply is returned as plain content (never a half-parsed call).
+A reply whose calls were enforced by a grammar (``complete_only``) can only be cut short by
+``max_tokens``: its unfinished last call is dropped and the complete calls before it are kept.
 ``arguments`` is returned exactly as the model wrote it (the JSON text), so a client that echoes it
 back and a template that writes it again reproduce the model's own characters where they can.
 """
@@ -85,12 +87,19 @@ def _raw_arguments(text: str, args) -> str:
     return json.dumps(args, ensure_ascii=False)
 
 
-def parse_tool_calls(text: str, tool_names) -> ParsedReply:
+def parse_tool_calls(text: str, tool_names, complete_only: bool = False) -> ParsedReply:
     """Split ``text`` into content and tool calls of the tools named in ``tool_names``.
 
     Returns ``ParsedReply(text, [])`` when the text holds no valid call (or any candidate is invalid).
+    With ``complete_only`` (a grammar-enforced reply: nothing but calls joined by newlines), what
+    follows the last ``</tool_call>`` is an unfinished call (a ``max_tokens`` cut) and is dropped.
     """
     names = set(tool_names)
+    if complete_only:  # only calls and newlines can be there: after the last close, a cut call
+        last = text.rfind(CLOSE)
+        text = text[:last + len(CLOSE)] if last >= 0 else ""
+        if not text:
+            return ParsedReply(None, [])
     if OPEN in text:
         calls, outside, pos = [], [], 0
         for block in _BLOCK.finditer(text):
@@ -122,15 +131,16 @@ def parse_tool_calls(text: str, tool_names) -> ParsedReply:
 class ToolCallStream:
     """Streams content while holding back whatever may turn out to be a tool call.
 
-    ``push(delta)`` returns the text that is safe to send as content now: everything before a
-    ``<tool_call>`` (or a partial one at the end), and nothing at all while the reply so far is
+    ``complete_only`` as in ``parse_tool_calls``. ``push(delta)`` returns the text that is safe to
+    send as content now: everything before a ``<tool_call>`` (or a partial one at the end), and nothing at all while the reply so far is
     blank or starts like JSON. ``finish()`` parses the rest and returns ``ParsedReply`` of the text
     not yet sent: the remaining content and the calls. Content sent plus ``finish().content`` is
     the content a non-streaming response would have had, up to whitespace around call blocks.
     """
 
-    def __init__(self, tool_names):
+    def __init__(self, tool_names, complete_only: bool = False):
         self.names = set(tool_names)
+        self.complete_only = complete_only
         self.text = ""
         self.sent = 0
 
@@ -153,7 +163,7 @@ class ToolCallStream:
     def finish(self) -> ParsedReply:
         rest = self.text[self.sent:]
         self.sent = len(self.text)
-        parsed = parse_tool_calls(rest, self.names)
+        parsed = parse_tool_calls(rest, self.names, self.complete_only)
         if parsed.tool_calls:
             return parsed
         return ParsedReply(rest or None, [])

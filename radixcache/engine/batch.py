@@ -106,7 +106,7 @@ class BatchRun:
                 continue
             if ev.finish_reason == FINISH_ERROR:
                 self.close()
-                raise self.engine.last_error
+                raise self.engine.last_error if self.engine.last_error is not None else RuntimeError(ev.error)
             self.cached[p] = ev.cached_tokens
             if ev.token is not None:
                 self.samples[p][ev.sample].append(ev.token)

@@ -5,7 +5,9 @@ may ``abort`` a request at any time. Each step admits what fits (``Scheduler``),
 tokens of every running sequence (prompt chunks and single-token decodes) into one forward through
 the ``ModelRunner`` with a ``StepPlan``, chooses every next token at once (``choose``) and returns
 the ``Event`` objects it produced. Whole blocks go into the tree as soon as they are computed, so
-a request behind shares them at once; ``n > 1`` samples fork after the prompt.
+a request behind shares them at once; ``n > 1`` samples fork after the prompt. Rows of constrained
+requests are masked by their grammars first (``radixcache.engine.grammar``); log-probabilities are
+read from the raw logits, only for the rows of requests that ask for them.
 
 Thread safety: ``add`` and ``abort`` may be called from any thread; ``step`` runs one at a time
 (a second caller waits). An abort while no step runs releases the request's blocks at once; during
@@ -24,10 +26,11 @@ from collections import deque
 import torch
 
 from radixcache.attention.plan import Segment, StepPlan, device_tensor
+from radixcache.engine import grammar
 from radixcache.engine.request import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREFILLED,
                                        FINISH_STOP, Event, Request, checked_prompt)
 from radixcache.engine.runner import EngineMetrics, ModelRunner
-from radixcache.engine.sampling import Row, choose, sample_generator
+from radixcache.engine.sampling import Row, choose_step, sample_generator
 from radixcache.engine.scheduler import Scheduler
 from radixcache.engine.sequence import Live, Sequence
 
@@ -51,6 +54,7 @@ class Engine:
         self.scheduler = Scheduler(manager, max_running=max_running, max_step_tokens=max_step_tokens,
                                    schedule=schedule, starvation_rounds=starvation_rounds)
         self.metrics = EngineMetrics()
+        self._masks = grammar.GrammarMasks(runner.vocab_size)
         self._live: dict = {}  # request_id -> Live (added, not yet fully finished)
         self._samples: dict = {}  # request_id -> its Sequence objects (the leader first)
         self._inbox: deque = deque()  # ("add", Live, tokens), ("abort", id, sample): in order
@@ -72,11 +76,14 @@ class Engine:
         ``array('I')``.
 
         Raises ``TypeError``/``ValueError`` for a bad request, a prompt or stop token id outside
-        the vocabulary or a request id already in use, and ``OutOfBlocks`` for a prompt the whole
-        pool cannot hold.
+        the vocabulary, a constraint that is not a grammar compiled for this vocabulary or a
+        request id already in use, and ``OutOfBlocks`` for a prompt the whole pool cannot hold.
         """
         tokens = checked_prompt(request, self.runner.vocab_size, self.manager.allocator.num_blocks,
                                 self.manager.block_size)
+        if request.constraint is not None:
+            grammar.check_constraint(request.constraint, self.runner.vocab_size,
+                                     f"request {request.request_id!r}")
         if request.request_id in self._known:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         return tokens
@@ -179,6 +186,8 @@ class Engine:
             seq.generator = sample_generator(seq.live.seed, seq.sample)
         if params.repetition_penalty != 1:
             seq.seen = set(seq.tokens)
+        if seq.request.constraint is not None:
+            seq.matcher = grammar.new_matcher(seq.request.constraint)
 
     def _abort(self, request_id, sample=None) -> list[Event]:
         live = self._live.get(request_id)
@@ -273,20 +282,27 @@ class Engine:
         rows = [r for _, r in choosers]
         if rows != list(range(len(rows))):
             logits = logits[device_tensor(rows, logits.device)]
-        tokens = choose(logits, [Row(s.request.params, s.generator, s.seen) for s, _ in choosers])
+        seqs = [s for s, _ in choosers]
+        # in place: ``logits`` is this step's own tensor (the runner's, or the gather above)
+        tokens, logprobs = choose_step(logits, [Row(s.request.params, s.generator, s.seen, s.matcher)
+                                                for s in seqs], self._masks)
         self.manager.record_generated(len(tokens))
-        for (seq, _), token in zip(choosers, tokens):
+        for seq, token, entry in zip(seqs, tokens, logprobs):
             seq.tokens.append(token)
             if seq.seen is not None:
                 seq.seen.add(token)
             params = seq.request.params
-            if token in params.stop_token_ids:
-                events.extend(self._finish(seq, FINISH_STOP, token))
+            done = seq.matcher is not None and grammar.advance(seq.matcher, token)
+            if done is None:
+                events.extend(self._finish(seq, FINISH_ERROR, None, entry,
+                                           f"the grammar rejected token {token}"))
+            elif done or token in params.stop_token_ids:
+                events.extend(self._finish(seq, FINISH_STOP, token, entry))
             elif len(seq.tokens) - seq.prompt_len >= params.max_new_tokens:
-                events.extend(self._finish(seq, FINISH_LENGTH, token))
+                events.extend(self._finish(seq, FINISH_LENGTH, token, entry))
             else:
                 events.append(Event(seq.request.request_id, seq.sample, token, False, None,
-                                    seq.live.cached_tokens))
+                                    seq.live.cached_tokens, None, entry))
         return events
 
     def _fork(self, leader: Sequence) -> list[Sequence]:
@@ -302,7 +318,7 @@ class Engine:
         leader.fork = 1
         return self.scheduler.fork(leader, children)
 
-    def _finish(self, seq: Sequence, reason: str, token) -> list[Event]:
+    def _finish(self, seq: Sequence, reason: str, token, logprobs=None, error=None) -> list[Event]:
         self.scheduler.finish(seq)
         live = seq.live
         live.finished.add(seq.sample)
@@ -310,4 +326,4 @@ class Engine:
         n = live.request.num_samples
         if len(live.finished) == n:
             self._forget(request_id)
-        return [Event(request_id, seq.sample, token, True, reason, live.cached_tokens)]
+        return [Event(request_id, seq.sample, token, True, reason, live.cached_tokens, error, logprobs)]

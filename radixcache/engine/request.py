@@ -6,12 +6,15 @@ step returns the ``Event`` objects it produced, at most one per running sample, 
 order across requests. Every sample of a request ends with exactly one event whose ``finished`` is
 True; its ``finish_reason`` says why:
 
-- ``"stop"``: the sample produced one of ``SamplingParams.stop_token_ids`` (the token is included);
+- ``"stop"``: the sample produced one of ``SamplingParams.stop_token_ids`` (the token is included),
+  or a constrained request's grammar ended (``Request.constraint``; its stop token is included);
 - ``"length"``: ``max_new_tokens`` were generated, or the sequence outgrew the whole KV pool;
 - ``"abort"``: ``Engine.abort`` was called (the event carries no token);
 - ``"prefilled"``: a ``prefill_only`` request has its prompt's K/V in the cache (no token);
 - ``"error"``: the model failed in a step this request was part of (``error`` says how; what
-  earlier steps computed stays cached, nothing stays held; ``Engine.last_error`` is the exception).
+  earlier steps computed stays cached, nothing stays held; ``Engine.last_error`` is the exception),
+  or a constrained sample's grammar refused the chosen token (the mask makes that impossible; the
+  sample ends rather than go on off its grammar).
 
 Types here are plain data: they import no model code and are safe to pass between threads.
 """
@@ -34,6 +37,7 @@ FINISH_ABORT = "abort"
 FINISH_PREFILLED = "prefilled"
 FINISH_ERROR = "error"
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREFILLED, FINISH_ERROR)
+MAX_TOP_LOGPROBS = 20
 
 
 def _int(name: str, value, low: int) -> int:
@@ -68,7 +72,9 @@ class SamplingParams:
     ``min_p`` (in [0, 1); 0 is off). ``stop_token_ids`` end a sample
     (EOS belongs here). ``n`` samples share the prompt's blocks. ``seed`` fixes each sample's own
     random stream: the same seed gives the same samples wherever the request sits in a batch
-    (None: drawn from torch's global RNG when the request is added).
+    (None: drawn from torch's global RNG when the request is added). ``logprobs`` (None: off; 0 to
+    ``MAX_TOP_LOGPROBS``): every token's event carries its log-probability and that many most likely
+    alternatives (``TokenLogprobs``), taken from the model's raw logits, before any processor.
     """
 
     max_new_tokens: int = 16
@@ -81,6 +87,7 @@ class SamplingParams:
     stop_token_ids: frozenset = field(default_factory=frozenset)
     n: int = 1
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -93,6 +100,10 @@ class SamplingParams:
         set_(self, "n", _int("n", self.n, 1))
         if self.seed is not None:
             set_(self, "seed", _int("seed", self.seed, 0))
+        if self.logprobs is not None:
+            set_(self, "logprobs", _int("logprobs", self.logprobs, 0))
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise ValueError(f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.logprobs}")
         if self.do_sample and not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -124,6 +135,10 @@ class Request:
     ``keep_s``: a hint that the conversation comes back within that many seconds (an agent
     waiting on a tool): when the request ends, what it computed is kept in preference to prefixes
     without a live hint (soft retention, see ``CacheManager.keep``); it never changes a token.
+    ``constraint``: a compiled grammar (an ``xgrammar.CompiledGrammar`` built for this model's
+    vocabulary) every sample must follow: each step masks the tokens it forbids, greedy or sampled,
+    and the sample ends with ``"stop"`` when the grammar ends (its stop token included). What the
+    cache holds is unchanged by it: the tokens generated and their K/V, as for any request.
     """
 
     request_id: Hashable
@@ -133,6 +148,7 @@ class Request:
     priority: int = 0
     prefill_only: bool = False
     keep_s: float | None = None
+    constraint: object = None
 
     def __post_init__(self):
         try:
@@ -158,6 +174,8 @@ class Request:
             if keep < 0:
                 raise ValueError(f"keep_s must be >= 0, got {keep}")
             object.__setattr__(self, "keep_s", keep)
+        if self.constraint is not None and self.prefill_only:
+            raise ValueError("a prefill_only request samples nothing: it takes no constraint")
 
     @property
     def num_samples(self) -> int:
@@ -172,7 +190,8 @@ class Event(NamedTuple):
     ``finished`` and ``finish_reason`` (one of ``FINISH_REASONS``, None while running) end the
     sample; ``cached_tokens`` is how many prompt tokens of the request were served from the cache
     at its first admission (``usage.prompt_tokens_details.cached_tokens``); ``error`` describes the
-    failure of an ``"error"`` event.
+    failure of an ``"error"`` event; ``logprobs`` is the token's ``TokenLogprobs`` when the request
+    asked for them (``SamplingParams.logprobs``), else None.
     """
 
     request_id: Hashable
@@ -182,6 +201,16 @@ class Event(NamedTuple):
     finish_reason: str | None
     cached_tokens: int
     error: str | None = None
+    logprobs: "TokenLogprobs | None" = None
+
+
+class TokenLogprobs(NamedTuple):
+    """A generated token's natural-log probability under the model's raw logits (before the
+    repetition penalty, temperature, top-k/p/min-p and any grammar mask) and the ``top`` most
+    likely tokens there as ``(token id, logprob)`` pairs, most likely first."""
+
+    logprob: float
+    top: tuple = ()
 
 
 def checked_prompt(request: Request, vocab_size: int, num_blocks: int, block_size: int) -> array:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from radixcache.attention.plan import device_tensor
-from radixcache.engine.request import SamplingParams
+from radixcache.engine.request import SamplingParams, TokenLogprobs
 
 SEED_MULTIPLIER = 6364136223846793005  # Knuth's MMIX LCG constants: spread (seed, sample) pairs
 SEED_INCREMENT = 1442695040888963407
@@ -29,12 +29,32 @@ def sample_generator(seed: int, sample: int) -> torch.Generator:
 
 @dataclass
 class Row:
-    """One logits row to turn into a token: its settings, its generator and, for a repetition
-    penalty, the ids it has seen (prompt and generated)."""
+    """One logits row to turn into a token: its settings, its generator, for a repetition
+    penalty the ids it has seen (prompt and generated), and the grammar matcher of a constrained
+    request (``radixcache.engine.grammar``)."""
 
     params: SamplingParams
     generator: torch.Generator | None
     seen: set | None = None
+    matcher: object = None
+
+
+def choose_step(logits: torch.Tensor, rows: list[Row], masks) -> tuple[list[int], list]:
+    """A step's tokens (``choose``) after ``masks`` (a ``GrammarMasks``) masked the constrained
+    rows of ``logits`` in place, and per row its ``TokenLogprobs`` (None unless its params ask),
+    read from the logits before any of that."""
+    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw = torch.log_softmax(logits[device_tensor(asking, logits.device)].float(), dim=-1) if asking else None
+    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    if constrained:
+        masks.mask_rows(logits, constrained, [rows[i].matcher for i in constrained])
+    tokens = choose(logits, rows)
+    logprobs = [None] * len(rows)
+    if asking:
+        found = token_logprobs(raw, [tokens[i] for i in asking], [rows[i].params.logprobs for i in asking])
+        for i, entry in zip(asking, found):
+            logprobs[i] = entry
+    return tokens, logprobs
 
 
 def choose(logits: torch.Tensor, rows: list[Row]) -> list[int]:
@@ -52,6 +72,20 @@ def choose(logits: torch.Tensor, rows: list[Row]) -> list[int]:
     index = device_tensor(sampled, tokens.device)
     tokens[index] = _sample(scores[index], [rows[i] for i in sampled])
     return tokens.tolist()
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top: list[int]) -> list[TokenLogprobs]:
+    """Per row of ``logprobs [R, V]`` (log-softmax of raw logits): the logprob of ``tokens[r]`` and
+    the ``top[r]`` most likely ``(id, logprob)`` pairs, most likely first; one host read."""
+    index = device_tensor(tokens, logprobs.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0]
+    k = max(top)
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    chosen = chosen.tolist()
+    return [TokenLogprobs(chosen[r], tuple(zip(ids[r][:top[r]], values[r][:top[r]])) if k else ())
+            for r in range(len(tokens))]
 
 
 def _repetition_penalty(scores: torch.Tensor, rows: list[Row], indices: list[int]) -> torch.Tensor:

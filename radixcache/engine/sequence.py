@@ -47,6 +47,7 @@ class Sequence:
     arrival: int
     generator: torch.Generator | None = None
     seen: set | None = None  # ids for the repetition penalty (prompt and generated)
+    matcher: object = None  # the grammar matcher of a constrained request (radixcache.engine.grammar)
     fork: int = 1
     lease: object = None
     admitted: int = -1

@@ -385,12 +385,21 @@ class CacheManager:
     def _copy_tail(self, lease: Lease, m: Match) -> None:
         if self.allocator.num_free < 1 and self.freeable_blocks() < 2:
             return  # the only block eviction could take is the tail itself
-        self.allocator.retain([m.tail_block])  # the eviction for the copy must not free the source
+        tail = m.tail_block
+        self.allocator.retain([tail])  # the eviction for the copy must not free the source
         try:
-            copy = self._allocate(1, "the copy of a partial tail")
-            self._copy(self.pool, m.tail_block, copy)
-        finally:
-            self.allocator.release([m.tail_block])
+            if self.allocator.num_free < 1:
+                self.tree.evict(1)  # the least recently used block: maybe the tail itself
+            if not self.tree.holds(tail) and self.allocator.refcount(tail) == 1:
+                copy = [tail]  # evicted: the tail is this lease's alone now, no copy needed
+            else:
+                copy = self._allocate(1, "the copy of a partial tail")
+                self._copy(self.pool, tail, copy)
+        except BaseException:
+            self.allocator.release([tail])
+            raise
+        if copy[0] != tail:
+            self.allocator.release([tail])
         lease.blocks.extend(copy)
         lease.computed += m.tail_length
 
