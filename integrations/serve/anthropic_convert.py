@@ -147,8 +147,10 @@ def function_tools(tools) -> list[dict] | None:
     return out or None
 
 
-def conversation_of(req: CountTokensRequest, inline_system: bool) -> Conversation:
-    """The internal conversation of a Messages request (see the module docstring)."""
+def conversation_of(req: CountTokensRequest, inline_system: bool, thinking_switch: bool = False) -> Conversation:
+    """The internal conversation of a Messages request (see the module docstring). With a
+    template that has a thinking switch (``thinking_switch``), ``thinking`` sets it: ``enabled`` and
+    ``adaptive`` on, ``disabled`` off, absent: the template's default."""
     if req.messages[-1].role == "assistant":
         raise bad_request("the last message is an assistant message: continuing a prefilled reply is not "
                           "supported by this server", param="messages")
@@ -163,7 +165,10 @@ def conversation_of(req: CountTokensRequest, inline_system: bool) -> Conversatio
             messages.append(_assistant(message, i))
         else:
             messages.append(_system(message, i, inline_system or not messages))
-    return Conversation(messages, function_tools(req.tools))
+    args = ()
+    if thinking_switch and req.thinking is not None:
+        args = (("enable_thinking", req.thinking.type != "disabled"),)
+    return Conversation(messages, function_tools(req.tools), args)
 
 
 def tool_mode(req: CountTokensRequest, conversation: Conversation) -> ToolMode:

@@ -58,7 +58,7 @@ def _sse(name: str, data: dict) -> str:
 
 async def _conversation(state, req, key):
     inline = await state.render(C.renders_inline_system, state.renderer)
-    conversation = C.conversation_of(req, inline)
+    conversation = C.conversation_of(req, inline, state.renderer.thinking_switch)
     return conversation, await render_conversation(state, conversation, key)
 
 

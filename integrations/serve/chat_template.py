@@ -17,6 +17,7 @@ Rendering failures raise ``RenderError`` (a ValueError) naming the template's co
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 
@@ -73,7 +74,9 @@ class ChatRenderer:
     ``native_tools``: the template reads ``tools``; ``native_tool_calls``: it reads ``tool_calls``;
     ``tool_role``: it renders a message of role ``tool``; ``splitting_specials``: the texts of the
     special tokens that cut a text in two for the tokenizer (the tokens before one never depend on
-    what follows it).
+    what follows it); ``thinking_switch``: the template reads ``enable_thinking`` (Qwen3's and
+    others' reasoning switch). ``template_args``: extra variables every render passes to the
+    template (empty; ``with_args`` makes a renderer with others).
     """
 
     def __init__(self, tokenizer, chat_template: str | None = None):
@@ -83,6 +86,18 @@ class ChatRenderer:
         self.native_tool_calls = "tool_calls" in self.template
         self.tool_role = self._renders_tool_role()
         self.splitting_specials = _splitting_specials(tokenizer)
+        self.thinking_switch = _reads_variable(self.template, "enable_thinking")
+        self.template_args: dict = {}
+
+    def with_args(self, args) -> "ChatRenderer":
+        """This renderer with the extra template variables ``args`` (a dict or pairs) on every render
+        (itself when they are the ones it has)."""
+        args = dict(args)
+        if args == self.template_args:
+            return self
+        view = copy.copy(self)
+        view.template_args = args
+        return view
 
     # ------------------------------------------------------------------ public
     def render(self, messages: list[dict], tools: list[dict] | None = None,
@@ -99,7 +114,7 @@ class ChatRenderer:
         try:
             text = self.tokenizer.apply_chat_template(
                 converted, tools=native, chat_template=self.template, tokenize=False,
-                add_generation_prompt=add_generation_prompt)
+                add_generation_prompt=add_generation_prompt, **self.template_args)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             raise RenderError(f"the chat template could not render these messages: "
                               f"{type(exc).__name__}: {exc}") from None

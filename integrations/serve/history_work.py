@@ -28,7 +28,8 @@ async def precompute_history(state, job, generated_ids, reply: dict) -> None:
     """See the module docstring. ``generated_ids``: the reply's tokens (stop token included)."""
     conversation = job.conversation
     try:
-        history = await state.render_later(history_after_reply, state.renderer, conversation.messages,
+        renderer = state.renderer.with_args(conversation.template_args)
+        history = await state.render_later(history_after_reply, renderer, conversation.messages,
                                            conversation.tools, job.prompt_ids, generated_ids, reply)
     except ValueError as exc:  # the template cannot render its own reply: nothing to precompute
         logger.warning("request %s: no history form (%s)", job.request_id, exc)
@@ -65,7 +66,9 @@ class PendingHistories:
 
 
 def continues(conversation, earlier) -> bool:
-    """``conversation`` appends messages to ``earlier`` (same tools, ``earlier``'s messages first)."""
+    """``conversation`` appends messages to ``earlier`` (same tools and template variables,
+    ``earlier``'s messages first)."""
     n = len(earlier.messages)
-    return (conversation.tools == earlier.tools and len(conversation.messages) > n
+    return (conversation.tools == earlier.tools and conversation.template_args == earlier.template_args
+            and len(conversation.messages) > n
             and conversation.messages[:n] == earlier.messages)

@@ -41,10 +41,13 @@ SEED_RANGE = 2**63  # a request's seed (any int) is reduced to the engine's non-
 
 class Conversation(NamedTuple):
     """A chat in the one internal form every protocol renders: OpenAI-shaped message dicts (roles
-    system, user, assistant with ``tool_calls``, tool) and OpenAI tool dicts (or None)."""
+    system, user, assistant with ``tool_calls``, tool), OpenAI tool dicts (or None), and extra
+    template variables as sorted pairs (e.g. ``(("enable_thinking", False),)``; the prompt and the
+    reply's history form are rendered with them)."""
 
     messages: list
     tools: list | None = None
+    template_args: tuple = ()
 
 
 @dataclass
@@ -106,7 +109,8 @@ async def render_conversation(state, conversation: Conversation, api_key: str | 
     history work; a template that refuses it is a 400 on ``messages``), once the history work of the
     conversation it continues (the client came back before it was done) is done."""
     try:
-        prompt = await state.render(state.renderer.render, conversation.messages, conversation.tools)
+        renderer = state.renderer.with_args(conversation.template_args)
+        prompt = await state.render(renderer.render, conversation.messages, conversation.tools)
     except RenderError as exc:
         raise bad_request(str(exc), param="messages") from None
     await state.pending_histories.wait_for(conversation, salt_of(state, api_key))
