@@ -31,7 +31,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from radixcache.integrations.serve.errors import APIError, bad_request
 from radixcache.integrations.serve.messages import APIModel
-from radixcache.integrations.serve.protocol import RETENTION_SECONDS
+from radixcache.integrations.serve.protocol import keep_seconds
 
 logger = logging.getLogger("radixcache.serve")
 
@@ -199,10 +199,8 @@ class ResponsesRequest(APIModel):
 
     @property
     def keep_s(self) -> float | None:
-        """Seconds to keep the prefix: as chat (``protocol._Sampling.keep_s``)."""
-        if self.prompt_cache_retention is not None:
-            return RETENTION_SECONDS[self.prompt_cache_retention]
-        return RETENTION_SECONDS["in_memory"] if self.prompt_cache_key is not None else None
+        """Seconds to keep the prefix: as chat (``protocol.keep_seconds``)."""
+        return keep_seconds(self.prompt_cache_key, self.prompt_cache_retention)
 
     @property
     def text_format(self) -> TextFormat:

@@ -46,6 +46,14 @@ class StreamOptions(APIModel):
 
 
 # ---------------------------------------------------------------------- shared sampling fields
+def keep_seconds(prompt_cache_key, prompt_cache_retention) -> float | None:
+    """The keep hint of OpenAI's cache fields (chat, completions, Responses): the retention asked
+    for, or the in-memory one for a request with a ``prompt_cache_key``; None without either."""
+    if prompt_cache_retention is not None:
+        return RETENTION_SECONDS[prompt_cache_retention]
+    return RETENTION_SECONDS["in_memory"] if prompt_cache_key is not None else None
+
+
 class _Sampling(APIModel):
     model: str | None = None
     stream: bool = False
@@ -103,9 +111,7 @@ class _Sampling(APIModel):
     @property
     def keep_s(self) -> float | None:
         """Seconds to keep this request's prefix (see the module docstring); None: no hint."""
-        if self.prompt_cache_retention is not None:
-            return RETENTION_SECONDS[self.prompt_cache_retention]
-        return RETENTION_SECONDS["in_memory"] if self.prompt_cache_key is not None else None
+        return keep_seconds(self.prompt_cache_key, self.prompt_cache_retention)
 
     @property
     def include_usage(self) -> bool:
