@@ -22,7 +22,7 @@ from radixcache.integrations.serve.grammar import tokenizer_info
 from radixcache.integrations.serve.tool_calls import format_tool_call, parse_tool_calls
 from serve_helpers import embedded_tokenizer
 
-PROPERTY = settings(max_examples=12, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+PROPERTY = settings(max_examples=12, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate],
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 PROMPT = [1, 9690, 198, 28120, 2]  # any ids: the model is random
 
@@ -104,7 +104,8 @@ def test_json_object_outputs_are_objects_or_valid_prefixes(lm, seeds):
 @given(case=tool_set(), parallel=st.booleans(), forced=st.booleans(), seed=st.integers(0, 2**30))
 def test_tool_call_outputs_parse_back_and_match_the_schemas(lm, case, parallel, forced, seed):
     """A tool_calls grammar writes only calls in the template's format: they parse back, name an
-    allowed tool, carry arguments valid for its parameter schema, and number one unless parallel."""
+    allowed tool, carry arguments valid for its parameter schema, and number one unless parallel
+    (then a sample may reach max_new still calling: its complete calls must parse and validate)."""
     tools, _ = case
     name = tools[-1]["function"]["name"] if forced else None
     grammar = grammars().compile_now(tool_call_constraint(tools, name, parallel=parallel))
@@ -113,8 +114,12 @@ def test_tool_call_outputs_parse_back_and_match_the_schemas(lm, case, parallel, 
     requests = [Request("greedy", PROMPT, params(max_new=600), constraint=grammar),
                 Request("sampled", PROMPT, params(max_new=600, sample=seed), constraint=grammar)]
     for tokens, reason in run(lm, requests):
-        assert reason == "stop"
-        parsed = parse_tool_calls(text_of(tokens), allowed)
+        # parallel calls have no bound on their number: a sample may still be calling at max_new,
+        # and then its complete calls are what a server answers with (the cut one dropped)
+        assert reason == "stop" or (parallel and reason == "length"), reason
+        cut = reason == "length"
+        text = embedded_tokenizer().decode(tokens) if cut else text_of(tokens)
+        parsed = parse_tool_calls(text, allowed, complete_only=cut)
         assert parsed.content is None and parsed.tool_calls
         assert parallel or len(parsed.tool_calls) == 1
         for call in parsed.tool_calls:
