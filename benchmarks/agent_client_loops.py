@@ -84,7 +84,7 @@ def agents_sdk_responses_loop(base_url, model, key, turns, workdir) -> None:
 
 
 def claude_code_loop(base_url, model, key, turns, workdir) -> None:
-    from agent_clients import claude_argv, claude_env
+    from agent_sandbox import claude_argv, claude_env
 
     env = claude_env(Path(workdir) / "home", base_url, model, api_key=key)
     for resume, prompt in ((False, "Run `echo hello` and tell me what it printed."), (True, "Now run `echo bye`.")):
@@ -93,7 +93,7 @@ def claude_code_loop(base_url, model, key, turns, workdir) -> None:
 
 
 def codex_loop(base_url, model, key, turns, workdir) -> None:
-    from agent_clients import codex_argv, codex_env, codex_home
+    from agent_sandbox import codex_argv, codex_env, codex_home
 
     home = codex_home(Path(workdir) / "home", base_url, model)
     for resume, prompt in ((False, "Run `echo hello` and tell me what it printed."), (True, "Now run `echo bye`.")):

@@ -3,7 +3,7 @@ cache served against the most any cache could have served.
 
     python benchmarks/agent_clients.py [--clients langchain,smolagents,...] [--turns 4] [--model DIR]
 
-Everything runs inside a loopback-only network namespace (``tests/agent_clients.Sandbox``): the
+Everything runs inside a loopback-only network namespace (``tests/agent_sandbox.Sandbox``): the
 server (the embedded SmolLM2 unless ``--model``; ``--log-token-ids`` on, ``--max-output-tokens``
 small) and each client in turn (``benchmarks/agent_client_loops.py``), so Claude Code and Codex can
 reach nothing but the server. After each client, its requests' lines of the token log give, per
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown clients {unknown}; choose from {list(CLIENTS)}")
     import tempfile
 
-    from agent_clients import Sandbox
+    from agent_sandbox import Sandbox
 
     work = Path(args.work or tempfile.mkdtemp(prefix="agent-clients-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -19,14 +19,14 @@ from array import array
 import numpy as np
 
 from benchmarks.report import fmt, table
-from benchmarks.trace_replay import Timings, pool_blocks
+from benchmarks.trace_timings import Timings, pool_blocks
 from radixcache.lifecycle.manager import CacheManager
 
 
 def replay_manager(trace, order, capacity: int, policy: str, bs: int, keep_s: float,
                    pool_blocks: int, timings) -> dict:
     """One replay of ``trace`` through a manager of ``pool_blocks`` blocks; the calls go into
-    ``timings`` (a ``trace_replay.Timings``: op 0 = admit, 1 = commit + finish)."""
+    ``timings`` (a ``trace_timings.Timings``: op 0 = admit, 1 = commit + finish)."""
     now = [0.0]
     mgr = CacheManager(pool_blocks, bs, clock=lambda: now[0])
     tree = mgr.tree

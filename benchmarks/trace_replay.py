@@ -53,6 +53,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import fmt, table  # noqa: E402
+from benchmarks.trace_timings import Timings, pool_blocks  # noqa: E402
 from benchmarks.traces import (  # noqa: E402
     AGENT_PARAMS, QUICK_AGENT_PARAMS, Trace, agent_trace, describe, load_mooncake,
 )
@@ -60,7 +61,6 @@ from benchmarks.traces import (  # noqa: E402
 from radixcache import BlockAllocator, RadixCache  # noqa: E402
 from radixcache.kv_events import BlockEventLog, KVEventPublisher  # noqa: E402
 
-OPS = ("match", "insert", "evict", "lock", "unlock", "keep")
 MEMORY_STEP = 250_000            # blocks between resident-memory samples
 QUICK_REQUESTS = 300             # requests of each --trace replayed with --quick
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -123,56 +123,6 @@ def ideal(trace: Trace, bs: int, order) -> tuple[np.ndarray, int]:
             pages = trace.pages[start:start + len(lens)]
             covered[pages] = np.maximum(covered[pages], lens)
     return hits, int((covered // bs).sum())
-
-
-def pool_blocks(trace: Trace, bs: int, order, capacity: int) -> int:
-    """The capacity plus the most blocks that requests in flight hold at once."""
-    held = peak = 0
-    for _, kind, i in order:
-        held += (1 if kind else -1) * int(trace.insert_len[i] // bs)
-        peak = max(peak, held)
-    return capacity + peak + 1
-
-
-class Timings:
-    """Every timed call: operation, wall and thread-CPU nanoseconds, tokens given, prompt length.
-
-    On a quiet machine the two clocks agree; on a loaded one the wall clock also counts the time the
-    process waited for a core, which the CPU clock leaves out."""
-
-    def __init__(self):
-        self.op, self.tokens, self.prompt = array("b"), array("q"), array("q")
-        self.ns = {"wall": array("q"), "cpu": array("q")}
-
-    def add(self, op: int, wall_ns: int, cpu_ns: int, tokens: int, prompt: int) -> None:
-        self.op.append(op)
-        self.ns["wall"].append(wall_ns)
-        self.ns["cpu"].append(cpu_ns)
-        self.tokens.append(tokens)
-        self.prompt.append(prompt)
-
-    def summary(self) -> dict:
-        """Per clock: p50/p99 per 1k tokens of match and insert (prompts >= 1k tokens), the worst
-        call, and the slowest call of each operation."""
-        op = np.frombuffer(self.op, np.int8)
-        tokens, prompt = np.frombuffer(self.tokens, np.int64), np.frombuffer(self.prompt, np.int64)
-        out = {}
-        for clock, samples in self.ns.items():
-            ns = np.frombuffer(samples, np.int64)
-            res = out[clock] = {}
-            for code, name in enumerate(OPS[:2]):
-                sel = (op == code) & (prompt >= 1000)
-                per_1k = ns[sel] / 1000.0 / (tokens[sel] / 1000.0)
-                res[name] = {"p50_us": float(np.percentile(per_1k, 50)) if sel.any() else None,
-                             "p99_us": float(np.percentile(per_1k, 99)) if sel.any() else None,
-                             "calls": int(sel.sum())}
-            res["match_insert_s"] = float(ns[op <= 1].sum()) / 1e9
-            worst = int(np.argmax(ns))
-            res["worst"] = {"op": OPS[op[worst]], "ms": float(ns[worst]) / 1e6, "tokens": int(tokens[worst])}
-            for code, name in enumerate(OPS):
-                sel = op == code
-                res[f"max_{name}_ms"] = float(ns[sel].max()) / 1e6 if sel.any() else None
-        return out
 
 
 def replay(trace: Trace, order, capacity: int, policy: str, bs: int, keep_s: float,
@@ -293,7 +243,7 @@ def run_trace(trace: Trace, args, log) -> dict:
                     f"hit {r['hit_rate']:.4f} (ideal {r['ideal_hit_rate']:.4f}), {r['elapsed_s']:.1f} s")
     rows.sort(key=lambda r: (r["capacity_pct"], policies.index(r["policy"]), r["gc"] == "off",
                              ("off", "log", "on").index(r["kv_events"])))
-    from benchmarks.trace_manager import replay_all  # it imports this module's helpers
+    from benchmarks.trace_manager import replay_all
 
     managed = replay_all(trace, order, args, working_set, queried, policies, log)
     return {"trace": trace.name, "params": trace.params, "measured": describe(trace),

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-import agent_clients
-from agent_clients import Sandbox, claude_argv, claude_env, codex_argv, codex_env, codex_home, recording_server
+import agent_sandbox
+from agent_sandbox import Sandbox, claude_argv, claude_env, codex_argv, codex_env, codex_home, recording_server
 from recording_server import REPLY_TEXT, read_log
 
 PROBE = r"""
@@ -71,18 +71,18 @@ def test_a_namespace_that_cannot_be_made_fails_with_the_error(tmp_path, monkeypa
     fake.mkdir()
     (fake / "unshare").write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
     (fake / "unshare").chmod(0o755)
-    monkeypatch.setattr(agent_clients, "SYSTEM_PATH", f"{fake}:{agent_clients.SYSTEM_PATH}")
+    monkeypatch.setattr(agent_sandbox, "SYSTEM_PATH", f"{fake}:{agent_sandbox.SYSTEM_PATH}")
     with pytest.raises(pytest.fail.Exception, match="loopback-only network namespace .*Operation not permitted"):
         with Sandbox():
             pass
 
 
 def test_a_missing_client_binary_names_make_agents(tmp_path, monkeypatch):
-    monkeypatch.setattr(agent_clients, "AGENTS_DIR", tmp_path)
+    monkeypatch.setattr(agent_sandbox, "AGENTS_DIR", tmp_path)
     with pytest.raises(pytest.fail.Exception, match="run `make agents`"):
-        agent_clients.claude_binary()
+        agent_sandbox.claude_binary()
     with pytest.raises(pytest.fail.Exception, match="run `make agents`"):
-        agent_clients.codex_binary()
+        agent_sandbox.codex_binary()
 
 
 def test_a_server_that_exits_or_stays_unready_fails_naming_its_log(tmp_path):

@@ -15,7 +15,7 @@ of its prompt. The missing binary fails these tests (``make agents``); it never 
 import json
 import sys
 
-from agent_clients import Sandbox, claude_argv, claude_env
+from agent_sandbox import Sandbox, claude_argv, claude_env
 from radixcache.integrations.serve.token_log import read_token_log
 from radixcache.tokens import common_prefix
 from serve_helpers import write_model_dir

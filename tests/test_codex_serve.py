@@ -13,7 +13,7 @@ which for a stateless client means through each reply's history form.
   tokens) on a tiny random model with a 32k context and the embedded tokenizer, whose every reply
   is an immediate end of turn (so each turn completes).
 
-A missing binary or sandbox fails (``agent_clients``), never skips.
+A missing binary or sandbox fails (``agent_sandbox``), never skips.
 """
 
 import json
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-from agent_clients import Sandbox, codex_argv, codex_env, codex_home
+from agent_sandbox import Sandbox, codex_argv, codex_env, codex_home
 from radixcache.integrations.serve.token_log import ideal_cached, read_token_log
 from serve_helpers import write_model_dir
 

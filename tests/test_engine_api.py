@@ -9,6 +9,7 @@ import radixcache
 from radixcache.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_PREFILLED, FINISH_STOP, Event,
                                Request, SamplingParams)
 from tiny_models import plain_greedy, random_ids, tiny_model
+from engine_events import drain, tokens_of
 
 BS = 4
 
@@ -18,19 +19,8 @@ def model():
     return tiny_model("llama")
 
 
-def drain(engine, limit=500):
-    """Step until the engine has no work; return every event."""
-    events = []
-    for _ in range(limit):
-        if not engine.has_work:
-            return events
-        events.extend(engine.step())
-    raise AssertionError("the engine did not finish")
 
 
-def tokens_of(events, request_id, sample=0):
-    return [e.token for e in events if e.request_id == request_id and e.sample == sample
-            and e.token is not None]
 
 
 def test_requests_join_between_steps_and_finish_with_reasons(model):

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from radixcache.engine import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREFILLED,
                                FINISH_STOP, Request, SamplingParams)
 from radixcache.engine.stub import StubRunner, next_token, reference, stub_engine
+from engine_events import drain, tokens_of
 
 BS = 4
 V = 997
@@ -22,18 +23,8 @@ def ids(n, seed):
     return [rng.randrange(1, V) for _ in range(n)]
 
 
-def drain(engine, limit=5000):
-    events = []
-    for _ in range(limit):
-        if not engine.has_work:
-            return events
-        events.extend(engine.step())
-    raise AssertionError("the engine did not finish")
 
 
-def tokens_of(events, request_id, sample=0):
-    return [e.token for e in events if e.request_id == request_id and e.sample == sample
-            and e.token is not None]
 
 
 def finals(events):
