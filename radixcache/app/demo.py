@@ -243,7 +243,20 @@ def main(args) -> int:
     print(f"done in {time.perf_counter() - start:.1f} s")
 
     differing = [i for i, (p, c) in enumerate(zip(plain.turns, cached.turns), 1) if p.reply != c.reply]
-    if differing:
+    return exit_status(differing, model.dtype)
+
+
+def exit_status(differing: list, dtype) -> int:
+    """The demo's exit status: 1 when greedy replies differ from plain ``generate`` in float32,
+    where they must be equal token for token; in a half-precision dtype reused K/V may round in the
+    last bits differently from one forward over the whole prompt (see the README's "Dtype"), so a
+    difference is reported, with the way to an exact run, and the status is 0."""
+    if not differing:
+        return 0
+    if str(dtype) == "torch.float32":
         print(f"MISMATCH: generated tokens differ on turn(s) {differing}", file=sys.stderr)
         return 1
+    print(f"note: in {str(dtype).removeprefix('torch.')} the greedy replies of turn(s) {differing} differ from "
+          "plain generate (reused K/V round differently in the last bits); --dtype float32 gives "
+          "token-for-token equality", file=sys.stderr)
     return 0
