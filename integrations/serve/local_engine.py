@@ -14,6 +14,10 @@ Threading model (the contract is ``engine_client.py``):
   reader, and the events of a reader that went away are dropped with its route).
 - With a shared store, ``manager.prefetch`` (network) runs on a small thread pool before the
   request is handed to the engine, so the scheduler thread never waits on the store.
+- ``compute_threads``: the scheduler thread is the process's one thread with torch's parallel CPU
+  kernels (``radixcache.compute_threads``); prefetch threads run theirs serially. The caller keeps
+  its own thread serial (``serial_here``) before loading the model, as ``radixcache serve`` does;
+  otherwise every kernel of the scheduler thread pays for waking its OpenMP workers.
 
 Requests are the engine's own ``Request`` (built by ``job.py``); the way their events go back is
 ``routing.py``.
@@ -26,6 +30,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from radixcache.compute_threads import parallel_here, serial_here
 from radixcache.engine import Request
 from radixcache.errors import OutOfBlocks
 from radixcache.integrations.serve.engine_client import EngineCounts, EngineLimits, EngineOverloaded
@@ -45,12 +50,13 @@ class LocalEngine:
     ``max_requests`` bounds the requests it holds (normal and precompute alike); one more raises
     ``EngineOverloaded``. ``max_context_tokens`` defaults to the model config's. A model whose
     wrap-time self-tests ruled the engine out (``lm.engine_unsupported``) raises ``ValueError``.
-    ``close_lm``: ``close()`` also closes ``lm`` (flushing its store). See the module docstring for
-    the threads.
+    ``close_lm``: ``close()`` also closes ``lm`` (flushing its store). ``compute_threads`` (None:
+    leave torch's choice): the scheduler thread runs torch's CPU kernels on that many threads. See
+    the module docstring for the threads.
     """
 
     def __init__(self, lm, engine=None, *, max_requests: int = 1024, max_context_tokens: int | None = None,
-                 close_lm: bool = False):
+                 close_lm: bool = False, compute_threads: int | None = None):
         if not isinstance(max_requests, int) or max_requests < 1:
             raise ValueError(f"max_requests must be an int >= 1, got {max_requests!r}")
         if lm.engine_unsupported:  # never serve tokens the engine cannot get right
@@ -63,12 +69,14 @@ class LocalEngine:
                                     self.manager.allocator.num_blocks * self.manager.block_size,
                                     self.manager.block_size)
         self._close_lm = close_lm
+        self._compute_threads = compute_threads
         self._routes: dict = {}  # request_id -> Route
         self._lock = threading.Lock()  # guards _routes and every route's open/added/aborted
         self._wake = threading.Condition()
         self._closing = False
         self._close_task = None
-        self._prefetch = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="radixcache-prefetch")
+        self._prefetch = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="radixcache-prefetch",
+                                            initializer=serial_here)
         self._thread = threading.Thread(target=self._run, name="radixcache-scheduler", daemon=True)
         self._thread.start()
 
@@ -219,6 +227,8 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ the scheduler thread
     def _run(self) -> None:
+        if self._compute_threads is not None:
+            parallel_here(self._compute_threads)
         engine = self.engine
         while True:
             with self._wake:

@@ -36,13 +36,17 @@ def load_engine(options: ServeOptions, info):
     ``--max-cache-tokens``, ``--block-size``, ``--max-running``, ``--store`` (a shared Redis tier;
     unreachable: a warning, then the server runs without it) and ``--kv-events`` (a
     ``KVEventPublisher`` bound there with ``--kv-events-topic``, closed with the engine; an
-    endpoint that cannot be bound raises ``ValueError``) apply."""
+    endpoint that cannot be bound raises ``ValueError``) apply. The model is loaded on this thread
+    with torch's kernels serial, and the engine's scheduler thread gets the threads torch would have
+    used (``radixcache.compute_threads``: a second OpenMP pool would slow every kernel)."""
     import torch
 
     import radixcache
+    from radixcache.compute_threads import serial_here
     from radixcache.integrations.serve.local_engine import LocalEngine
     from radixcache.models import load_model
 
+    threads = serial_here()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, _ = load_model(options.model, dtype=options.dtype, device=device)
     logger.info("model weights in %s on %s", model.dtype, device)
@@ -67,7 +71,7 @@ def load_engine(options: ServeOptions, info):
     engine = lm.new_engine(max_running=options.max_running)
     # room for one history precompute per request in flight: those are never what a client waits on
     return LocalEngine(lm, engine, max_requests=2 * options.max_in_flight,
-                       max_context_tokens=info.max_context_tokens, close_lm=True)
+                       max_context_tokens=info.max_context_tokens, close_lm=True, compute_threads=threads)
 
 
 def main(args) -> int:
