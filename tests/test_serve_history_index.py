@@ -34,6 +34,19 @@ def test_finds_the_previous_turn_per_salt_and_forgets_the_oldest_by_tokens():
     assert index.previous(a + (7,), salt="tenant") == a
 
 
+def test_a_form_keeps_its_source_until_stored_again_or_forgotten():
+    index = HistoryIndex(capacity_tokens=100, min_shared=4)
+    a, b = tuple(range(40)), tuple(range(20)) + (99,) * 20
+    index.remember(a, source="conversation a")
+    index.remember(b)
+    assert index.source(a) == "conversation a" and index.source(b) is None
+    assert index.source(a[:30]) is None and index.source(a, salt="tenant") is None
+    index.remember(a, computed=8, source="a again")
+    assert index.source(a) == "a again" and index.computed(a) == 8
+    index.remember(tuple(range(300, 380)))  # past the bound: b, then a, go
+    assert index.source(a) is None and index.computed(a) is None
+
+
 def test_the_bound_is_tokens_whatever_the_number_of_forms():
     """Many long forms behind one shared system prompt: the trie holds the prompt once, and what it
     holds never exceeds its token bound, however many forms are stored."""

@@ -10,6 +10,8 @@ short, and ``/metrics`` says why. ``prompt_cache_key`` / ``prompt_cache_retentio
 session's prefix over prefixes without a hint; with ``--isolate-cache-by-key`` tenants share nothing.
 """
 
+import time
+
 import openai
 import pytest
 import torch
@@ -93,6 +95,34 @@ def test_every_turn_hits_the_whole_previous_conversation(chat_server):
     if reason is not None:  # the drift was there; the precompute covered it
         assert grew("history_divergence_total", reason=reason) == times
         assert grew("history_precompute_tokens_total") > 0
+    served.assert_clean()
+
+
+def test_a_new_conversation_sharing_only_the_system_prompt_is_no_short_hit(chat_server):
+    """A second conversation that shares only the system prompt with a finished one is served that
+    prompt from the cache; it continues nothing, so no hit is expected of it and none is reported
+    short (it was counted as history_mismatch: the stored form with the longest common prefix was
+    taken for its previous turn). A turn that continues the first conversation still is checked."""
+    template, served = chat_server
+    if template != "model":
+        pytest.skip("one template is enough")
+    with served.client() as client:
+        first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USERS[0]}]
+        served.say(first, answer(1))
+        reply = client.chat.completions.create(model="tiny-smol", messages=first, temperature=0, max_tokens=64)
+        first.append({"role": "assistant", "content": reply.choices[0].message.content})
+        deadline = time.monotonic() + 60
+        while not len(served.state.histories):  # the reply's history form is stored after the reply
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        served.quiet()
+        before = served.metrics()
+        other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Something else entirely."}]
+        body = client.chat.completions.create(model="tiny-smol", messages=other, temperature=0, max_tokens=2)
+        assert body.usage.prompt_tokens_details.cached_tokens >= len(served.render(other[:1])) // BS * BS - BS
+        after = served.metrics()
+        assert metric(after, "prefix_cache_short_hits_total", reason="history_mismatch") == \
+            metric(before, "prefix_cache_short_hits_total", reason="history_mismatch")
     served.assert_clean()
 
 

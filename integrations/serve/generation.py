@@ -25,7 +25,7 @@ from radixcache.integrations.serve.detokenize import TextAssembler
 from radixcache.integrations.serve.engine_client import EngineOverloaded
 from radixcache.integrations.serve.errors import bad_request, internal, unavailable
 from radixcache.integrations.serve.history import classify_hit
-from radixcache.integrations.serve.history_work import precompute_history
+from radixcache.integrations.serve.history_work import continues, precompute_history
 from radixcache.integrations.serve.job import Job
 from radixcache.integrations.serve.responses import assistant_message, tool_call_objects
 from radixcache.integrations.serve.tool_calls import ToolCallStream
@@ -212,6 +212,9 @@ class Generation:
         self.state.metrics.observe_admitted(len(self.job.prompt_ids), cached_tokens)
         if self.previous is None:
             return
+        earlier = self.state.histories.source(self.previous, self.job.salt)
+        if earlier is not None and not continues(self.job.conversation, earlier):
+            return  # another conversation that only shares a preamble: nothing to expect of it
         computed = self.state.histories.computed(self.previous, self.job.salt)
         short = classify_hit(self.previous, self.job.prompt_ids, cached_tokens, self.state.limits.block_size,
                              computed)

@@ -175,7 +175,8 @@ def classify_hit(history_ids, prompt_ids, cached_tokens: int, block_size: int,
     computed for logits), so the expected hit is the whole blocks of the part of the history form
     that the prompt repeats. Returns None when the hit reached that, else ``ShortHit`` with reason
     ``history_mismatch`` (the prompt departs from the history form before its end: the template
-    renders the past differently once more follows, or the client changed earlier messages) or
+    renders the past differently once more follows, or the client sent the reply back changed;
+    the server asks only of a request that continues the form's conversation) or
     ``evicted`` (the prompt continues it, but those blocks were no longer all cached) or, when
     only the first ``computed`` tokens of the history form were ever computed (no precompute ran
     for the rest) and the expected hit lies beyond them, ``not_precomputed``.

@@ -1,10 +1,11 @@
 """Recent history forms, indexed by their tokens: a compact trie per tenant salt, capped in tokens.
 
-``HistoryIndex.remember(ids, salt, computed)`` stores a history form (``computed``: how many of its
-leading tokens were computed, when no precompute covers the rest; None: all of them);
+``HistoryIndex.remember(ids, salt, computed, source)`` stores a history form (``computed``: how
+many of its leading tokens were computed, when no precompute covers the rest; None: all of them;
+``source``: any object the caller keeps with it, e.g. the conversation it was rendered from);
 ``previous(prompt, salt)`` returns the stored form sharing the longest prefix with ``prompt`` (at
 least ``min_shared`` tokens; of several, the most recently stored), or None; ``computed(ids, salt)``
-what was given for ``ids``. Forms shorter than ``min_shared`` are not kept.
+and ``source(ids, salt)`` what was given for ``ids``. Forms shorter than ``min_shared`` are not kept.
 
 Forms share their common prefixes (a system prompt, the earlier turns of a conversation) in a radix
 trie whose edges are ``array('I')`` runs of tokens, so a lookup walks the prompt once: O(prompt)
@@ -35,10 +36,10 @@ class _Node:
 
 
 class _Entry:
-    __slots__ = ("salt", "node", "seq", "computed")
+    __slots__ = ("salt", "node", "seq", "computed", "source")
 
-    def __init__(self, salt, node: _Node, seq: int, computed):
-        self.salt, self.node, self.seq, self.computed = salt, node, seq, computed
+    def __init__(self, salt, node: _Node, seq: int, computed, source):
+        self.salt, self.node, self.seq, self.computed, self.source = salt, node, seq, computed, source
 
 
 class HistoryIndex:
@@ -57,19 +58,21 @@ class HistoryIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def remember(self, history_ids, salt: str | None = None, computed: int | None = None) -> None:
-        """Store ``history_ids`` under ``salt`` as the most recent form (again, if it was stored)."""
+    def remember(self, history_ids, salt: str | None = None, computed: int | None = None,
+                 source=None) -> None:
+        """Store ``history_ids`` under ``salt`` as the most recent form (again, if it was stored:
+        ``computed`` and ``source`` are replaced)."""
         ids = array("I", history_ids)
         if len(ids) < self.min_shared:
             return
         node = self._insert(self._roots.setdefault(salt, _Node(array("I"), None)), ids)
         entry = node.entry
         if entry is None:
-            entry = node.entry = _Entry(salt, node, 0, computed)
+            entry = node.entry = _Entry(salt, node, 0, computed, source)
         else:
             self._entries.pop(entry)
         self._seq += 1
-        entry.seq, entry.computed = self._seq, computed
+        entry.seq, entry.computed, entry.source = self._seq, computed, source
         self._entries[entry] = None
         while node is not None:
             node.stamp = self._seq
@@ -88,10 +91,19 @@ class HistoryIndex:
 
     def computed(self, history_ids, salt: str | None = None) -> int | None:
         """The ``computed`` remembered with ``history_ids`` (None: all of it, or not stored)."""
+        entry = self._entry(history_ids, salt)
+        return None if entry is None else entry.computed
+
+    def source(self, history_ids, salt: str | None = None):
+        """The ``source`` remembered with ``history_ids`` (None when not stored)."""
+        entry = self._entry(history_ids, salt)
+        return None if entry is None else entry.source
+
+    def _entry(self, history_ids, salt):
         node, depth, exact = self._walk(salt, history_ids)
-        if node is None or not exact or depth != len(history_ids) or node.entry is None:
+        if node is None or not exact or depth != len(history_ids):
             return None
-        return node.entry.computed
+        return node.entry
 
     # ------------------------------------------------------------------ the trie
     def _walk(self, salt, ids):

@@ -5,7 +5,8 @@ last delta has gone out (nobody waits for it): it renders the conversation plus 
 history form on the render thread behind every prompt waiting there (``history.history_after_reply``:
 at most two passes over the conversation), reports a departure from the computed tokens in the
 metrics and the log, submits the form's uncached blocks as a prefill-only request, and remembers the
-form in ``state.histories`` so that the next turn's hit can be checked against it.
+form in ``state.histories`` (with the conversation it follows) so that the next turn's hit can be
+checked against it, when the next turn continues that conversation (``continues``).
 
 ``PendingHistories`` holds that work while it runs. A client may come back faster than it: before a
 chat request goes to the engine, ``wait_for(conversation, salt)`` waits for the history work of the
@@ -41,7 +42,8 @@ async def precompute_history(state, job, generated_ids, reply: dict) -> None:
                     history.divergence.detail)
     precomputed = history.blocks_to_compute(state.limits.block_size) == 0 or \
         state.precompute(history.token_ids, job.salt, job.request.keep_s)
-    state.histories.remember(history.token_ids, job.salt, None if precomputed else history.computed)
+    state.histories.remember(history.token_ids, job.salt, None if precomputed else history.computed,
+                             source=conversation)
 
 
 class PendingHistories:
