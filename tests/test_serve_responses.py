@@ -318,6 +318,10 @@ def test_the_output_cap_ends_incomplete(served, client):
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": "x", "temperature": 3}, 400, "temperature"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, 400, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "strin"}}}}, 400,
+     "text.format"),
+    ({"input": "x", "tool_choice": "required", "tools": [{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}]}, 400, "tools"),
     ({"input": "x", "prompt_cache_retention": "forever"}, 400, "prompt_cache_retention"),
     ({"input": "x", "previous_response_id": "resp_gone"}, 404, "previous_response_id"),
     ({"input": "x", "model": "other"}, 404, "model"),

@@ -168,18 +168,20 @@ def test_logprobs_include_the_stop_token_and_completions_have_them_too(served, c
 
 
 # ---------------------------------------------------------------------- errors
-@pytest.mark.parametrize("kwargs,words", [
+@pytest.mark.parametrize("kwargs,words,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
-     'the JSON schema is invalid or unsupported: Unsupported type "strin"'),
+     'the JSON schema is invalid or unsupported: Unsupported type "strin"', "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "properties": {
-        "a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"}, "parameters schema of tool 'bad'"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        "a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"}, "parameters schema of tool 'bad'", "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both", None),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", None),
 ])
-def test_bad_constraints_are_400s_that_name_them(client, kwargs, words):
+def test_bad_constraints_are_400s_that_name_them(client, kwargs, words, param):
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, max_tokens=5, **kwargs)
     assert info.value.status_code == 400 and words in info.value.body["message"]
+    if param is not None:  # a schema the compiler refuses: the field it came from
+        assert info.value.body["param"] == param
 
 
 # ---------------------------------------------------------------------- LangChain

@@ -157,14 +157,14 @@ def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api
 
 async def constrain(state, job: Job) -> Job:
     """``job`` with its constraint compiled into the engine request's grammar (on the grammar
-    worker thread, cached); an invalid schema is a 400 naming it. A job without one is returned
-    as it is."""
+    worker thread, cached); an invalid schema is a 400 naming it (``param``: the field it came
+    from). A job without one is returned as it is."""
     if job.constraint is None:
         return job
     try:
         grammar = await state.grammars.compile(job.constraint)
     except ConstraintError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), param=job.constraint.param) from None
     return dataclasses.replace(job, request=dataclasses.replace(job.request, constraint=grammar))
 
 

@@ -109,9 +109,9 @@ def _constraint(req, tools):
         return tool_call_constraint(tools, req.tool_choice.name, req.parallel_tool_calls)
     fmt = req.text_format
     if fmt.type == "json_object":
-        return json_constraint()
+        return json_constraint(param="text.format")
     if fmt.type == "json_schema":
-        return json_constraint(fmt.schema_, bool(fmt.strict))
+        return json_constraint(fmt.schema_, bool(fmt.strict), param="text.format")
     return None
 
 
