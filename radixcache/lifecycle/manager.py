@@ -44,13 +44,15 @@ import time
 from collections.abc import Sequence
 
 from radixcache.blocks import BlockAllocator
-from radixcache.errors import CacheError, OutOfBlocks
-from radixcache.lifecycle.lease import Lease, Ledger
+from radixcache.errors import CacheError
+from radixcache.lifecycle.arguments import check_continues, check_live, check_seconds
 from radixcache.lifecycle.check import check_manager
+from radixcache.lifecycle.lease import Lease, Ledger
 from radixcache.lifecycle.offers import Offer, OfferQueue, ReleasingLock
 from radixcache.lifecycle.prefetch import prefetch_from_store
+from radixcache.lifecycle.supply import BlockSupply
 from radixcache.tokens import token_array
-from radixcache.tree import CacheStats, Match, Namespace, RadixCache
+from radixcache.tree import CacheStats, Namespace, RadixCache
 
 __all__ = ["CacheManager"]
 
@@ -72,6 +74,8 @@ class CacheManager:
         self.clock = clock
         self.mutex = ReleasingLock(lambda: self._offers.after_release(self))
         self._offers = OfferQueue(self.mutex)
+        self.supply = BlockSupply(self.allocator, self.tree, block_size, self._finish_offers)
+        """Where leases get blocks (free, evicted, copied); used under ``mutex``."""
         self.ledger = Ledger()
         self._live: dict[int, Lease] = {}
         self._store_stats: dict = {}  # the store's counters, kept readable after close()
@@ -97,7 +101,10 @@ class CacheManager:
             lease = Lease(namespace, list(m.blocks), m.node, m.length, len(m.blocks),
                           tokens=tokens[:m.length])
             if m.tail_length and self.pool is not None:
-                self._copy_tail(lease, m)
+                copy = self.supply.copy_tail(self.pool, m.tail_block, self._live.values())
+                if copy:
+                    lease.blocks.extend(copy)
+                    lease.computed += m.tail_length
             lease.cached_tokens = lease.computed
             self._live[id(lease)] = lease
             if count:
@@ -110,7 +117,7 @@ class CacheManager:
         tentatively (and backs out when the first chunk's blocks cannot be had) counts only the
         admission it keeps, so a prompt is never counted twice."""
         with self.mutex:
-            self._check_live(lease, "record_admission")
+            check_live(lease, self._live, "record_admission")
             self.ledger.count_request(prompt_tokens, lease.cached_tokens)
 
     def grow(self, lease: Lease, length: int) -> None:
@@ -118,10 +125,11 @@ class CacheManager:
         LRU leaves when short. Raises OutOfBlocks, with nothing changed, when even eviction cannot
         supply them; the message says what is needed, free, freeable and held by running requests."""
         with self.mutex:
-            self._check_live(lease, "grow")
+            check_live(lease, self._live, "grow")
             need = -(-length // self.block_size) - len(lease.blocks)
             if need > 0:
-                lease.blocks.extend(self._allocate(need, f"{length} tokens"))
+                lease.blocks.extend(self.supply.allocate(need, f"{length} tokens",
+                                                         self._live.values()))
 
     def can_grow(self, lease: Lease, length: int) -> bool:
         """Whether ``grow(lease, length)`` would succeed now (for schedulers deciding to preempt)."""
@@ -139,7 +147,7 @@ class CacheManager:
         they differ: another sequence was passed), so a commit costs O(block). The blocks the tree
         adopted are offered to the store unless ``offer`` is False (they came from it)."""
         with self.mutex:
-            self._check_live(lease, "commit")
+            check_live(lease, self._live, "commit")
             bs = self.block_size
             if not lease.computed <= computed <= min(len(tokens), len(lease.blocks) * bs):
                 raise CacheError(f"commit: computed={computed} must lie in {lease.computed}.."
@@ -148,7 +156,7 @@ class CacheManager:
             if full <= done:
                 lease.computed = computed
                 return
-            self._check_continues(lease, tokens)
+            check_continues(lease, tokens, bs)
             new = token_array(tokens[done * bs:full * bs])
             got = self.tree.adopt_below(lease.node, new, lease.blocks[done:full])
             lease.computed = computed
@@ -170,28 +178,22 @@ class CacheManager:
                     lease.blocks[i] = tree_block
             lease.committed = full
 
-    def _check_continues(self, lease: Lease, tokens: Sequence[int]) -> None:
-        """``CacheError`` unless ``tokens`` start with the first and the last committed block."""
-        bs, done = self.block_size, lease.committed
-        for lo in {0, (done - 1) * bs} if done else ():
-            if token_array(tokens[lo:lo + bs]) != lease.tokens[lo:lo + bs]:
-                raise CacheError("commit: the tokens differ from the ones committed before")
-
     def fork(self, lease: Lease, tokens: Sequence[int]) -> Lease:
         """A parallel sample of ``lease`` (whose ``tokens[:lease.computed]`` are computed): commits
         ``lease``'s whole blocks, then shares them (retained, path locked) and gives the new lease
         a copy of the partial last block. OutOfBlocks, with nothing changed, when no block is free
         or freeable for that copy."""
         with self.mutex:
-            self._check_live(lease, "fork")
+            check_live(lease, self._live, "fork")
             full, partial = divmod(lease.computed, self.block_size)
-            pool = self._pool("fork") if partial else None
+            what = "the copy of a partial block"
+            if partial and self.pool is None:
+                raise CacheError("fork: copying a partial block needs the manager's pool")
             if partial and self.allocator.num_free < 1 and self.freeable_blocks() < 1:
-                self._allocate(1, "the copy of a partial block")  # raises: a failed fork commits nothing
+                self.supply.allocate(1, what, self._live.values())  # raises: nothing committed
             self.commit(lease, tokens, lease.computed)
-            copy = self._allocate(1, "the copy of a partial block") if partial else []
-            if copy:
-                self._copy(pool, lease.blocks[full], copy)
+            copy = (self.supply.copy_of(self.pool, lease.blocks[full], what, self._live.values())
+                    if partial else [])
             shared = lease.blocks[:full]
             self.allocator.retain(shared)
             self.tree.lock(lease.node)
@@ -231,9 +233,9 @@ class CacheManager:
         last block kept as a tail). A bad ``keep_s`` raises before anything changes; whatever
         fails after that, the lease is released."""
         with self.mutex:
-            self._check_live(lease, "finish")
+            check_live(lease, self._live, "finish")
             if keep_s is not None:
-                _check_seconds(keep_s)
+                check_seconds(keep_s)
             try:
                 if keep_s is not None:
                     self.commit(lease, tokens, lease.computed)
@@ -276,7 +278,7 @@ class CacheManager:
         event publisher (sending what is queued, unbinding); returns their final counters (empty
         without either). The cache itself stays usable, without them."""
         with self.mutex:
-            self._offers.finish(self.tree, self.pool)
+            self._finish_offers()
             store, self.store = self.store, None
             events = self.events
             self.use_events(None)
@@ -293,8 +295,8 @@ class CacheManager:
         refused. Soft: it never pins, needs no release, and once expired changes nothing; it never
         changes a computed token. Call it after the last ``commit``, before ``release``."""
         with self.mutex:
-            self._check_live(lease, "keep")
-            _check_seconds(seconds)
+            check_live(lease, self._live, "keep")
+            check_seconds(seconds)
             self.tree.keep(lease.node, self.clock() + seconds)
 
     # ------------------------------------------------------------------ ledger and sizes
@@ -317,8 +319,7 @@ class CacheManager:
         """Blocks an allocation can get now: the free ones plus those eviction would free (offers
         to the store are finished first, so none of their blocks is missing)."""
         with self.mutex:
-            self._offers.finish(self.tree, self.pool)
-            return self.allocator.num_free + self.tree.evictable_blocks
+            return self.supply.freeable()
 
     def stats(self) -> dict:
         """The ledger (``hit_rate`` = hit / queried tokens) and the sizes in tokens: ``cached_tokens``
@@ -326,14 +327,9 @@ class CacheManager:
         ``capacity_tokens``, ``evicted_tokens``, and ``running`` (live leases); with a store or a
         KV event publisher, their counters too (``store_*``, ``kv_events_*``)."""
         with self.mutex:
-            self._offers.finish(self.tree, self.pool)
-            tree, bs = self.tree, self.block_size
+            sizes = self.supply.sizes()  # finishes the offers first
             out = self.ledger.as_dict()
-            out.update(cached_tokens=tree.cached_blocks * bs, pinned_tokens=tree.pinned_blocks * bs,
-                       evictable_tokens=tree.evictable_blocks * bs,
-                       free_tokens=self.allocator.num_free * bs,
-                       capacity_tokens=self.allocator.num_blocks * bs,
-                       evicted_tokens=tree.stats.evicted_blocks * bs, running=len(self._live))
+            out.update(sizes, running=len(self._live))
             if self.store is not None:
                 self._store_stats = self.store.stats()
             if self.events is not None:
@@ -358,7 +354,7 @@ class CacheManager:
         """Verify the tree's invariants and the manager's (module docstring); AssertionError says
         what is wrong."""
         with self.mutex:
-            self._offers.finish(self.tree, self.pool)
+            self._finish_offers()
             check_manager(self.tree, self.allocator, self.leases(), self.block_size)
 
     def leases(self) -> tuple:
@@ -367,67 +363,9 @@ class CacheManager:
             return tuple(self._live.values())
 
     # ------------------------------------------------------------------ helpers
-    def _allocate(self, n: int, what: str) -> list:
-        free = self.allocator.num_free
-        if n > free:
-            self._offers.finish(self.tree, self.pool)
-            evictable = self.tree.evictable_blocks
-            if n > free + evictable:
-                running = sum(len(x.blocks) for x in self._live.values())
-                raise OutOfBlocks(
-                    f"{what} need {n} more blocks of {self.block_size} tokens: {free} are free and "
-                    f"{evictable} more could be evicted; {len(self._live)} running requests hold "
-                    f"{running} (pool: {self.allocator.num_blocks} blocks): raise max_cache_tokens "
-                    f"or run fewer or shorter requests at once")
-            self.tree.evict(n - free)
-        return self.allocator.allocate(n)
-
-    def _copy_tail(self, lease: Lease, m: Match) -> None:
-        if self.allocator.num_free < 1 and self.freeable_blocks() < 2:
-            return  # the only block eviction could take is the tail itself
-        tail = m.tail_block
-        self.allocator.retain([tail])  # the eviction for the copy must not free the source
-        try:
-            if self.allocator.num_free < 1:
-                self.tree.evict(1)  # the least recently used block: maybe the tail itself
-            if not self.tree.holds(tail) and self.allocator.refcount(tail) == 1:
-                copy = [tail]  # evicted: the tail is this lease's alone now, no copy needed
-            else:
-                copy = self._allocate(1, "the copy of a partial tail")
-                self._copy(self.pool, tail, copy)
-        except BaseException:
-            self.allocator.release([tail])
-            raise
-        if copy[0] != tail:
-            self.allocator.release([tail])
-        lease.blocks.extend(copy)
-        lease.computed += m.tail_length
-
-    def _copy(self, pool, src: int, copy: list) -> None:
-        try:
-            pool.copy_block(src, copy[0])
-        except BaseException:
-            self.allocator.release(copy)
-            raise
-
-    def _pool(self, what: str):
-        if self.pool is None:
-            raise CacheError(f"{what}: copying a partial block needs the manager's pool")
-        return self.pool
-
-    def _check_live(self, lease: Lease, what: str) -> None:
-        if not isinstance(lease, Lease):
-            raise TypeError(f"{what}: expected a Lease from admit(), got {type(lease).__name__}")
-        if lease.released or self._live.get(id(lease)) is not lease:
-            raise CacheError(f"{what}: the lease was released (or belongs to another manager)")
+    def _finish_offers(self) -> None:
+        self._offers.finish(self.tree, self.pool)
 
     def __repr__(self) -> str:
         return (f"CacheManager(block_size={self.block_size}, blocks={self.allocator.num_blocks}, "
                 f"free={self.allocator.num_free}, running={len(self._live)})")
-
-
-def _check_seconds(seconds) -> None:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise TypeError(f"keep: seconds must be a number, got {seconds!r}")
-    if not seconds >= 0:
-        raise ValueError(f"keep: seconds must be >= 0, got {seconds!r}")
