@@ -47,6 +47,7 @@ from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError
 from radixcache.lifecycle.arguments import check_continues, check_live, check_seconds
 from radixcache.lifecycle.check import check_manager
+from radixcache.lifecycle.holds import adopt, hold_match, let_go, share
 from radixcache.lifecycle.lease import Lease, Ledger
 from radixcache.lifecycle.offers import Offer, OfferQueue, ReleasingLock
 from radixcache.lifecycle.prefetch import prefetch_from_store
@@ -96,10 +97,7 @@ class CacheManager:
             raise ValueError("empty prompt: a request needs at least one token")
         with self.mutex:
             m = self.tree.match(tokens[:-1], namespace)
-            self.tree.lock(m.node)
-            self.allocator.retain(m.blocks)
-            lease = Lease(namespace, list(m.blocks), m.node, m.length, len(m.blocks),
-                          tokens=tokens[:m.length])
+            lease = hold_match(self.tree, self.allocator, m, namespace, tokens)
             if m.tail_length and self.pool is not None:
                 copy = self.supply.copy_tail(self.pool, m.tail_block, self._live.values())
                 if copy:
@@ -157,26 +155,13 @@ class CacheManager:
                 lease.computed = computed
                 return
             check_continues(lease, tokens, bs)
-            new = token_array(tokens[done * bs:full * bs])
-            got = self.tree.adopt_below(lease.node, new, lease.blocks[done:full])
+            first_new = adopt(self.tree, self.allocator, lease,
+                              token_array(tokens[done * bs:full * bs]), full)
             lease.computed = computed
-            lease.tokens.extend(new)
-            if got.node != lease.node:
-                self.tree.lock(got.node)
-                self.tree.unlock(lease.node)
-                lease.node = got.node
-            first_new = done + got.cached // bs  # the blocks the tree adopted from this lease
             if offer and self.store is not None and first_new < full:
-                self.tree.lock(got.node)  # dropped once the store has its copies
+                self.tree.lock(lease.node)  # dropped once the store has its copies
                 self._offers.add(Offer(self.store, lease.namespace, lease.tokens, first_new,
-                                       lease.blocks[first_new:full], got.node))
-            for i in range(done, first_new):
-                mine, tree_block = lease.blocks[i], got.blocks[i - done]
-                if mine != tree_block:  # another request cached this block first
-                    self.allocator.retain([tree_block])
-                    self.allocator.release([mine])
-                    lease.blocks[i] = tree_block
-            lease.committed = full
+                                       lease.blocks[first_new:full], lease.node))
 
     def fork(self, lease: Lease, tokens: Sequence[int]) -> Lease:
         """A parallel sample of ``lease`` (whose ``tokens[:lease.computed]`` are computed): commits
@@ -194,11 +179,7 @@ class CacheManager:
             self.commit(lease, tokens, lease.computed)
             copy = (self.supply.copy_of(self.pool, lease.blocks[full], what, self._live.values())
                     if partial else [])
-            shared = lease.blocks[:full]
-            self.allocator.retain(shared)
-            self.tree.lock(lease.node)
-            child = Lease(lease.namespace, shared + copy, lease.node, lease.computed, full,
-                          lease.cached_tokens, tokens=lease.tokens[:])
+            child = share(self.tree, self.allocator, lease, copy)
             self._live[id(child)] = child
             return child
 
@@ -221,9 +202,7 @@ class CacheManager:
                         self.tree.adopt_below(lease.node, tokens[full * self.block_size:lease.computed],
                                               (), tail_block=lease.blocks[full])
             finally:  # whatever happened above, the lease lets go of everything
-                self.tree.unlock(lease.node)
-                self.allocator.release(lease.blocks)
-                lease.node, lease.blocks, lease.released = None, [], True
+                let_go(self.tree, self.allocator, lease)
                 del self._live[id(lease)]
 
     def finish(self, lease: Lease, tokens: Sequence[int], keep_s: float | None = None) -> None:
