@@ -10,12 +10,13 @@ with ``lease.tokens`` their tokens. They check no argument: the manager has, bef
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 from radixcache.blocks import BlockAllocator
 from radixcache.lifecycle.lease import Lease
 from radixcache.tree import Match, Namespace, RadixCache
 
-__all__ = ["adopt", "hold_match", "let_go", "share"]
+__all__ = ["adopt", "hold_match", "keep_tail", "let_go", "share"]
 
 
 def hold_match(tree: RadixCache, allocator: BlockAllocator, match: Match, namespace: Namespace,
@@ -49,6 +50,16 @@ def adopt(tree: RadixCache, allocator: BlockAllocator, lease: Lease, new: array,
             lease.blocks[i] = tree_block
     lease.committed = full
     return first_new
+
+
+def keep_tail(tree: RadixCache, lease: Lease, tokens: Sequence[int]) -> None:
+    """Put ``lease``'s partial last block (its computed tokens after the committed whole blocks,
+    read from ``tokens``) into the tree as the partial tail of its node; nothing when it has none.
+    The lease keeps its reference (the tree retains the block if it adopts it)."""
+    full = lease.committed * tree.block_size
+    if lease.computed > full:
+        tree.adopt_below(lease.node, tokens[full:lease.computed], (),
+                         tail_block=lease.blocks[lease.committed])
 
 
 def share(tree: RadixCache, allocator: BlockAllocator, lease: Lease, copy: list) -> Lease:

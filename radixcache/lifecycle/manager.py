@@ -45,10 +45,12 @@ from collections.abc import Sequence
 
 from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError
-from radixcache.lifecycle.arguments import check_continues, check_live, check_seconds
+from radixcache.lifecycle.arguments import (check_computed, check_continues, check_live,
+                                            check_publisher, check_seconds, check_store,
+                                            check_tokens_cover, prompt_tokens)
 from radixcache.lifecycle.check import check_manager
-from radixcache.lifecycle.holds import adopt, hold_match, let_go, share
-from radixcache.lifecycle.lease import Lease, Ledger
+from radixcache.lifecycle.holds import adopt, hold_match, keep_tail, let_go, share
+from radixcache.lifecycle.lease import AttachedCounters, Lease, Ledger
 from radixcache.lifecycle.offers import Offer, OfferQueue, ReleasingLock
 from radixcache.lifecycle.prefetch import prefetch_from_store
 from radixcache.lifecycle.supply import BlockSupply
@@ -75,12 +77,10 @@ class CacheManager:
         self.clock = clock
         self.mutex = ReleasingLock(lambda: self._offers.after_release(self))
         self._offers = OfferQueue(self.mutex)
-        self.supply = BlockSupply(self.allocator, self.tree, block_size, self._finish_offers)
-        """Where leases get blocks (free, evicted, copied); used under ``mutex``."""
+        self._supply = BlockSupply(self.allocator, self.tree, block_size, self._finish_offers)
         self.ledger = Ledger()
         self._live: dict[int, Lease] = {}
-        self._store_stats: dict = {}  # the store's counters, kept readable after close()
-        self._events_stats: dict = {}  # the KV event publisher's, likewise
+        self._counters = AttachedCounters()  # the store's and the publisher's, kept after close()
         self.store = self.events = None
         self.use_store(store)
 
@@ -92,14 +92,12 @@ class CacheManager:
         back, or a scheduler's tentative admission, counted by ``record_admission`` once it sticks)
         keeps it out of the ledger. Raises TypeError/ValueError for bad tokens, before any change;
         never OutOfBlocks."""
-        tokens = token_array(tokens)
-        if not tokens:
-            raise ValueError("empty prompt: a request needs at least one token")
+        tokens = prompt_tokens(tokens)
         with self.mutex:
             m = self.tree.match(tokens[:-1], namespace)
             lease = hold_match(self.tree, self.allocator, m, namespace, tokens)
             if m.tail_length and self.pool is not None:
-                copy = self.supply.copy_tail(self.pool, m.tail_block, self._live.values())
+                copy = self._supply.copy_tail(self.pool, m.tail_block, self._live.values())
                 if copy:
                     lease.blocks.extend(copy)
                     lease.computed += m.tail_length
@@ -126,7 +124,7 @@ class CacheManager:
             check_live(lease, self._live, "grow")
             need = -(-length // self.block_size) - len(lease.blocks)
             if need > 0:
-                lease.blocks.extend(self.supply.allocate(need, f"{length} tokens",
+                lease.blocks.extend(self._supply.allocate(need, f"{length} tokens",
                                                          self._live.values()))
 
     def can_grow(self, lease: Lease, length: int) -> bool:
@@ -147,9 +145,7 @@ class CacheManager:
         with self.mutex:
             check_live(lease, self._live, "commit")
             bs = self.block_size
-            if not lease.computed <= computed <= min(len(tokens), len(lease.blocks) * bs):
-                raise CacheError(f"commit: computed={computed} must lie in {lease.computed}.."
-                                 f"{min(len(tokens), len(lease.blocks) * bs)} (tokens and blocks)")
+            check_computed(lease, tokens, computed, bs)
             full, done = computed // bs, lease.committed
             if full <= done:
                 lease.computed = computed
@@ -171,14 +167,13 @@ class CacheManager:
         with self.mutex:
             check_live(lease, self._live, "fork")
             full, partial = divmod(lease.computed, self.block_size)
-            what = "the copy of a partial block"
+            what, live = "the copy of a partial block", self._live.values()
             if partial and self.pool is None:
                 raise CacheError("fork: copying a partial block needs the manager's pool")
-            if partial and self.allocator.num_free < 1 and self.freeable_blocks() < 1:
-                self.supply.allocate(1, what, self._live.values())  # raises: nothing committed
+            if partial:
+                self._supply.ensure(1, what, live)  # first: a failed fork commits nothing
             self.commit(lease, tokens, lease.computed)
-            copy = (self.supply.copy_of(self.pool, lease.blocks[full], what, self._live.values())
-                    if partial else [])
+            copy = self._supply.copy_of(self.pool, lease.blocks[full], what, live) if partial else []
             child = share(self.tree, self.allocator, lease, copy)
             self._live[id(child)] = child
             return child
@@ -193,14 +188,9 @@ class CacheManager:
                 return
             try:
                 if tokens is not None:
-                    if len(tokens) < lease.computed:
-                        raise CacheError(f"release: {len(tokens)} tokens, but {lease.computed} "
-                                         "were computed")
-                    self.commit(lease, tokens, lease.computed)
-                    full, partial = divmod(lease.computed, self.block_size)
-                    if partial:
-                        self.tree.adopt_below(lease.node, tokens[full * self.block_size:lease.computed],
-                                              (), tail_block=lease.blocks[full])
+                    check_tokens_cover(lease, tokens)
+                    self.commit(lease, tokens, lease.computed)  # all its whole blocks
+                    keep_tail(self.tree, lease, tokens)
             finally:  # whatever happened above, the lease lets go of everything
                 let_go(self.tree, self.allocator, lease)
                 del self._live[id(lease)]
@@ -230,8 +220,7 @@ class CacheManager:
 
     def use_store(self, store) -> None:
         """Attach a shared store (or None); it needs the manager's pool and its block size."""
-        if store is not None and (self.pool is None or store.block_size != self.block_size):
-            raise ValueError("a store needs the manager's pool and the same block size")
+        check_store(store, self.pool, self.block_size)
         with self.mutex:
             self.store = store
 
@@ -239,9 +228,7 @@ class CacheManager:
         """Publish the tree's whole blocks through ``publisher`` (a
         ``radixcache.kv_events.KVEventPublisher``; None stops): it starts with ``AllBlocksCleared``
         and ``BlockStored`` for what the tree holds. A publisher replaced here is not closed."""
-        if publisher is not None and not hasattr(publisher, "log"):
-            raise TypeError(f"use_events takes a KVEventPublisher or None, got "
-                            f"{type(publisher).__name__}")
+        check_publisher(publisher)
         with self.mutex:
             self.tree.set_event_log(None if publisher is None else publisher.log)
             self.events = publisher
@@ -261,11 +248,7 @@ class CacheManager:
             store, self.store = self.store, None
             events = self.events
             self.use_events(None)
-        if store is not None:
-            self._store_stats = store.close(timeout)
-        if events is not None:
-            self._events_stats = events.close(timeout)
-        return {**self._store_stats, **self._events_stats}
+        return self._counters.close(store, events, timeout)
 
     def keep(self, lease: Lease, seconds: float) -> None:
         """Hint that ``lease``'s sequence comes back within ``seconds`` (an agent session waiting on
@@ -298,7 +281,7 @@ class CacheManager:
         """Blocks an allocation can get now: the free ones plus those eviction would free (offers
         to the store are finished first, so none of their blocks is missing)."""
         with self.mutex:
-            return self.supply.freeable()
+            return self._supply.freeable()
 
     def stats(self) -> dict:
         """The ledger (``hit_rate`` = hit / queried tokens) and the sizes in tokens: ``cached_tokens``
@@ -306,15 +289,10 @@ class CacheManager:
         ``capacity_tokens``, ``evicted_tokens``, and ``running`` (live leases); with a store or a
         KV event publisher, their counters too (``store_*``, ``kv_events_*``)."""
         with self.mutex:
-            sizes = self.supply.sizes()  # finishes the offers first
+            sizes = self._supply.sizes()  # finishes the offers first
             out = self.ledger.as_dict()
             out.update(sizes, running=len(self._live))
-            if self.store is not None:
-                self._store_stats = self.store.stats()
-            if self.events is not None:
-                self._events_stats = self.events.stats()
-            out.update(self._store_stats)
-            out.update(self._events_stats)
+            out.update(self._counters.read(self.store, self.events))
             return out
 
     def reset_stats(self) -> None:

@@ -37,10 +37,10 @@ class BlockSupply:
         self.finish_offers()
         return self.allocator.num_free + self.tree.evictable_blocks
 
-    def allocate(self, n: int, what: str, leases: Iterable) -> list:
-        """``n`` fresh blocks (reference count 1 each), evicting LRU leaves when fewer are free.
-        Raises OutOfBlocks, with nothing changed, when even eviction cannot supply them; the message
-        says what ``what`` needs and what is free, freeable and held by running requests."""
+    def ensure(self, n: int, what: str, leases: Iterable) -> None:
+        """Raise OutOfBlocks unless ``n`` blocks can be had now, free or by eviction (which it does
+        not do); the message says what ``what`` needs and what is free, freeable and held by
+        running requests."""
         free = self.allocator.num_free
         if n > free:
             self.finish_offers()
@@ -53,6 +53,14 @@ class BlockSupply:
                     f"{evictable} more could be evicted; {len(leases)} running requests hold "
                     f"{running} (pool: {self.allocator.num_blocks} blocks): raise max_cache_tokens "
                     f"or run fewer or shorter requests at once")
+
+    def allocate(self, n: int, what: str, leases: Iterable) -> list:
+        """``n`` fresh blocks (reference count 1 each), evicting LRU leaves when fewer are free.
+        Raises OutOfBlocks as ``ensure`` does, with nothing changed, when even eviction cannot
+        supply them."""
+        self.ensure(n, what, leases)
+        free = self.allocator.num_free
+        if n > free:
             self.tree.evict(n - free)
         return self.allocator.allocate(n)
 
