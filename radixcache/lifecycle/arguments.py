@@ -11,10 +11,10 @@ from radixcache.lifecycle.lease import Lease
 from radixcache.tokens import token_array
 
 __all__ = ["check_computed", "check_continues", "check_live", "check_publisher", "check_seconds",
-           "check_store", "check_tokens_cover", "prompt_tokens"]
+           "check_store", "check_tokens_cover", "packed_prompt"]
 
 
-def prompt_tokens(tokens: Sequence[int]):
+def packed_prompt(tokens: Sequence[int]):
     """``tokens`` packed (``radixcache.tokens.token_array``: TypeError/ValueError for bad ids);
     ValueError for an empty prompt."""
     tokens = token_array(tokens)

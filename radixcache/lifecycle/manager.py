@@ -47,11 +47,11 @@ from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError
 from radixcache.lifecycle.arguments import (check_computed, check_continues, check_live,
                                             check_publisher, check_seconds, check_store,
-                                            check_tokens_cover, prompt_tokens)
+                                            check_tokens_cover, packed_prompt)
 from radixcache.lifecycle.check import check_manager
 from radixcache.lifecycle.holds import adopt, hold_match, keep_tail, let_go, share
 from radixcache.lifecycle.lease import AttachedCounters, Lease, Ledger
-from radixcache.lifecycle.offers import Offer, OfferQueue, ReleasingLock
+from radixcache.lifecycle.offers import OfferQueue, ReleasingLock
 from radixcache.lifecycle.prefetch import prefetch_from_store
 from radixcache.lifecycle.supply import BlockSupply
 from radixcache.tokens import token_array
@@ -92,7 +92,7 @@ class CacheManager:
         back, or a scheduler's tentative admission, counted by ``record_admission`` once it sticks)
         keeps it out of the ledger. Raises TypeError/ValueError for bad tokens, before any change;
         never OutOfBlocks."""
-        tokens = prompt_tokens(tokens)
+        tokens = packed_prompt(tokens)
         with self.mutex:
             m = self.tree.match(tokens[:-1], namespace)
             lease = hold_match(self.tree, self.allocator, m, namespace, tokens)
@@ -155,9 +155,7 @@ class CacheManager:
                               token_array(tokens[done * bs:full * bs]), full)
             lease.computed = computed
             if offer and self.store is not None and first_new < full:
-                self.tree.lock(lease.node)  # dropped once the store has its copies
-                self._offers.add(Offer(self.store, lease.namespace, lease.tokens, first_new,
-                                       lease.blocks[first_new:full], lease.node))
+                self._offers.offer(self.tree, self.store, lease, first_new, full)
 
     def fork(self, lease: Lease, tokens: Sequence[int]) -> Lease:
         """A parallel sample of ``lease`` (whose ``tokens[:lease.computed]`` are computed): commits
