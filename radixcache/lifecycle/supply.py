@@ -6,7 +6,8 @@ holds is never written, so its K/V is copied into a block of the lease's own).
 method expects the manager's lock held. Before it counts or evicts freeable blocks it calls
 ``finish_offers`` (blocks offered to a shared store are on locked paths until their copies are
 taken, see ``radixcache.lifecycle.offers``), so what it says an allocation can get is exact. A call
-that fails leaves every reference count as it was and holds no block.
+that fails gives back every block it took and every reference it added (what it evicted to make
+room stays evicted: the tree alone held those blocks).
 """
 
 from __future__ import annotations
