@@ -22,6 +22,8 @@ attention and masks compute the layer.
   computed, grows each row's blocks to the new length (lazily: blocks grow as tokens arrive) and
   plans the step. Left padding and already-cached columns are in no segment: the real query rows
   are gathered for attention and scattered back.
+
+The per-layer views and the marked mask offset they hand transformers are in ``layers.py``.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ from __future__ import annotations
 import threading
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from radixcache.attention.plan import Segment, StepPlan, device_tensor
 from radixcache.errors import CacheError, OutOfBlocks
+from radixcache.integrations.hf.layers import PAGED_OFFSET, CacheLayer, PagedOffset
+
+__all__ = ["GenerateRow", "PAGED_OFFSET", "PREFIX", "PagedCache", "PagedOffset", "PlannedCache",
+           "StepCache", "forget_pending", "hooked", "take_planned"]
 
 PREFIX = "radixcache_paged_"  # the attention implementation ``attention.install`` switches to
 _PENDING = threading.local()  # (cache, plan, layer, batch, new columns) of this thread's last update
@@ -47,14 +53,6 @@ def hooked(model) -> bool:
 def forget_pending() -> None:
     """Drop this thread's pending ``update`` (after a forward, even one that failed half way)."""
     _PENDING.entry = None
-
-
-class PagedOffset(int):
-    """The KV offset (always 0) a ``PlannedCache`` reports to transformers' mask builders; the
-    registered mask function sees it and builds no mask, since radixcache's backends read none."""
-
-
-PAGED_OFFSET = PagedOffset(0)
 
 
 def take_planned(query: torch.Tensor, key: torch.Tensor):
@@ -72,58 +70,12 @@ def take_planned(query: torch.Tensor, key: torch.Tensor):
     return cache, layer
 
 
-class _Layer(CacheLayerMixin):
-    """Per-layer view transformers expects; all state lives in the owning cache, and every
-    operation a radixcache cache does not support (beam reordering, cropping, batch expansion,
-    row selection, reset) raises ``CacheError`` (their modes fall back to plain generate)."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-    supports_early_init = False
-
-    def __init__(self, owner: PlannedCache):
-        super().__init__()
-        self.owner = owner
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # the pool exists already
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise CacheError("a radixcache cache is updated through the cache, not its layers")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.get_seq_length() + query_length, PAGED_OFFSET
-
-    def get_seq_length(self) -> int:
-        return self.owner.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1  # grows lazily, bounded only by the pool
-
-    def reset(self) -> None:
-        raise CacheError("a radixcache cache cannot be reset")
-
-    def reorder_cache(self, beam_idx) -> None:
-        raise CacheError("a radixcache cache does not support beam reordering")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise CacheError("a radixcache cache does not support cropping")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise CacheError("a radixcache cache does not support expanding the batch")
-
-    def batch_select_indices(self, indices) -> None:
-        raise CacheError("a radixcache cache does not support selecting batch rows")
-
-
 class PlannedCache(Cache):
     """Base: ``update`` writes through ``self.plan`` (set by ``begin_forward`` at layer 0) and
     hands the plan to the attention function; ``attend`` runs the backend for one layer."""
 
     def __init__(self, num_layers: int, dense: bool = False):
-        super().__init__(layers=[_Layer(self) for _ in range(num_layers)])
+        super().__init__(layers=[CacheLayer(self) for _ in range(num_layers)])
         self.plan: StepPlan | None = None
         self.gather: torch.Tensor | None = None  # packed positions of the real query rows
         self.shape: tuple = (0, 0)  # (batch, new columns) of the forward in flight

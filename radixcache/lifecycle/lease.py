@@ -1,4 +1,5 @@
-"""The records a CacheManager keeps: one Lease per running sequence, one Ledger of statistics."""
+"""The records a CacheManager keeps: one Lease per running sequence, one Ledger of statistics,
+and the counters its store and KV event publisher last reported (``AttachedCounters``)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,30 @@ class Ledger:
         out["fallback_reasons"] = dict(self.fallback_reasons)
         out["hit_rate"] = self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
         return out
+
+
+class AttachedCounters:
+    """The counters of a manager's shared store (``store_*``) and KV event publisher
+    (``kv_events_*``) as each last reported them, so they stay readable after both are closed."""
+
+    def __init__(self):
+        self.store: dict = {}
+        self.events: dict = {}
+
+    def read(self, store, events) -> dict:
+        """Both sets merged, each first read afresh (``stats()``) from ``store`` and ``events``
+        where attached (not None); a detached one's last counters stay."""
+        if store is not None:
+            self.store = store.stats()
+        if events is not None:
+            self.events = events.stats()
+        return {**self.store, **self.events}
+
+    def close(self, store, events, timeout: float) -> dict:
+        """Close ``store`` and ``events`` where not None (each waits up to ``timeout`` s: call it
+        without the manager's lock), keep the final counters they return and give both merged."""
+        if store is not None:
+            self.store = store.close(timeout)
+        if events is not None:
+            self.events = events.close(timeout)
+        return {**self.store, **self.events}

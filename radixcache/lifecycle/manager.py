@@ -44,13 +44,18 @@ import time
 from collections.abc import Sequence
 
 from radixcache.blocks import BlockAllocator
-from radixcache.errors import CacheError, OutOfBlocks
-from radixcache.lifecycle.lease import Lease, Ledger
+from radixcache.errors import CacheError
+from radixcache.lifecycle.arguments import (check_computed, check_continues, check_live,
+                                            check_publisher, check_seconds, check_store,
+                                            check_tokens_cover, packed_prompt)
 from radixcache.lifecycle.check import check_manager
-from radixcache.lifecycle.offers import Offer, OfferQueue, ReleasingLock
+from radixcache.lifecycle.holds import adopt, hold_match, keep_tail, let_go, share
+from radixcache.lifecycle.lease import AttachedCounters, Lease, Ledger
+from radixcache.lifecycle.offers import OfferQueue, ReleasingLock
 from radixcache.lifecycle.prefetch import prefetch_from_store
+from radixcache.lifecycle.supply import BlockSupply
 from radixcache.tokens import token_array
-from radixcache.tree import CacheStats, Match, Namespace, RadixCache
+from radixcache.tree import CacheStats, Namespace, RadixCache
 
 __all__ = ["CacheManager"]
 
@@ -72,10 +77,10 @@ class CacheManager:
         self.clock = clock
         self.mutex = ReleasingLock(lambda: self._offers.after_release(self))
         self._offers = OfferQueue(self.mutex)
+        self._supply = BlockSupply(self.allocator, self.tree, block_size, self._finish_offers)
         self.ledger = Ledger()
         self._live: dict[int, Lease] = {}
-        self._store_stats: dict = {}  # the store's counters, kept readable after close()
-        self._events_stats: dict = {}  # the KV event publisher's, likewise
+        self._counters = AttachedCounters()  # the store's and the publisher's, kept after close()
         self.store = self.events = None
         self.use_store(store)
 
@@ -87,17 +92,15 @@ class CacheManager:
         back, or a scheduler's tentative admission, counted by ``record_admission`` once it sticks)
         keeps it out of the ledger. Raises TypeError/ValueError for bad tokens, before any change;
         never OutOfBlocks."""
-        tokens = token_array(tokens)
-        if not tokens:
-            raise ValueError("empty prompt: a request needs at least one token")
+        tokens = packed_prompt(tokens)
         with self.mutex:
             m = self.tree.match(tokens[:-1], namespace)
-            self.tree.lock(m.node)
-            self.allocator.retain(m.blocks)
-            lease = Lease(namespace, list(m.blocks), m.node, m.length, len(m.blocks),
-                          tokens=tokens[:m.length])
+            lease = hold_match(self.tree, self.allocator, m, namespace, tokens)
             if m.tail_length and self.pool is not None:
-                self._copy_tail(lease, m)
+                copy = self._supply.copy_tail(self.pool, m.tail_block, self._live.values())
+                if copy:
+                    lease.blocks.extend(copy)
+                    lease.computed += m.tail_length
             lease.cached_tokens = lease.computed
             self._live[id(lease)] = lease
             if count:
@@ -110,7 +113,7 @@ class CacheManager:
         tentatively (and backs out when the first chunk's blocks cannot be had) counts only the
         admission it keeps, so a prompt is never counted twice."""
         with self.mutex:
-            self._check_live(lease, "record_admission")
+            check_live(lease, self._live, "record_admission")
             self.ledger.count_request(prompt_tokens, lease.cached_tokens)
 
     def grow(self, lease: Lease, length: int) -> None:
@@ -118,10 +121,11 @@ class CacheManager:
         LRU leaves when short. Raises OutOfBlocks, with nothing changed, when even eviction cannot
         supply them; the message says what is needed, free, freeable and held by running requests."""
         with self.mutex:
-            self._check_live(lease, "grow")
+            check_live(lease, self._live, "grow")
             need = -(-length // self.block_size) - len(lease.blocks)
             if need > 0:
-                lease.blocks.extend(self._allocate(need, f"{length} tokens"))
+                lease.blocks.extend(self._supply.allocate(need, f"{length} tokens",
+                                                         self._live.values()))
 
     def can_grow(self, lease: Lease, length: int) -> bool:
         """Whether ``grow(lease, length)`` would succeed now (for schedulers deciding to preempt)."""
@@ -139,43 +143,19 @@ class CacheManager:
         they differ: another sequence was passed), so a commit costs O(block). The blocks the tree
         adopted are offered to the store unless ``offer`` is False (they came from it)."""
         with self.mutex:
-            self._check_live(lease, "commit")
+            check_live(lease, self._live, "commit")
             bs = self.block_size
-            if not lease.computed <= computed <= min(len(tokens), len(lease.blocks) * bs):
-                raise CacheError(f"commit: computed={computed} must lie in {lease.computed}.."
-                                 f"{min(len(tokens), len(lease.blocks) * bs)} (tokens and blocks)")
+            check_computed(lease, tokens, computed, bs)
             full, done = computed // bs, lease.committed
             if full <= done:
                 lease.computed = computed
                 return
-            self._check_continues(lease, tokens)
-            new = token_array(tokens[done * bs:full * bs])
-            got = self.tree.adopt_below(lease.node, new, lease.blocks[done:full])
+            check_continues(lease, tokens, bs)
+            first_new = adopt(self.tree, self.allocator, lease,
+                              token_array(tokens[done * bs:full * bs]), full)
             lease.computed = computed
-            lease.tokens.extend(new)
-            if got.node != lease.node:
-                self.tree.lock(got.node)
-                self.tree.unlock(lease.node)
-                lease.node = got.node
-            first_new = done + got.cached // bs  # the blocks the tree adopted from this lease
             if offer and self.store is not None and first_new < full:
-                self.tree.lock(got.node)  # dropped once the store has its copies
-                self._offers.add(Offer(self.store, lease.namespace, lease.tokens, first_new,
-                                       lease.blocks[first_new:full], got.node))
-            for i in range(done, first_new):
-                mine, tree_block = lease.blocks[i], got.blocks[i - done]
-                if mine != tree_block:  # another request cached this block first
-                    self.allocator.retain([tree_block])
-                    self.allocator.release([mine])
-                    lease.blocks[i] = tree_block
-            lease.committed = full
-
-    def _check_continues(self, lease: Lease, tokens: Sequence[int]) -> None:
-        """``CacheError`` unless ``tokens`` start with the first and the last committed block."""
-        bs, done = self.block_size, lease.committed
-        for lo in {0, (done - 1) * bs} if done else ():
-            if token_array(tokens[lo:lo + bs]) != lease.tokens[lo:lo + bs]:
-                raise CacheError("commit: the tokens differ from the ones committed before")
+                self._offers.offer(self.tree, self.store, lease, first_new, full)
 
     def fork(self, lease: Lease, tokens: Sequence[int]) -> Lease:
         """A parallel sample of ``lease`` (whose ``tokens[:lease.computed]`` are computed): commits
@@ -183,20 +163,16 @@ class CacheManager:
         a copy of the partial last block. OutOfBlocks, with nothing changed, when no block is free
         or freeable for that copy."""
         with self.mutex:
-            self._check_live(lease, "fork")
+            check_live(lease, self._live, "fork")
             full, partial = divmod(lease.computed, self.block_size)
-            pool = self._pool("fork") if partial else None
-            if partial and self.allocator.num_free < 1 and self.freeable_blocks() < 1:
-                self._allocate(1, "the copy of a partial block")  # raises: a failed fork commits nothing
+            what, live = "the copy of a partial block", self._live.values()
+            if partial and self.pool is None:
+                raise CacheError("fork: copying a partial block needs the manager's pool")
+            if partial:
+                self._supply.ensure(1, what, live)  # first: a failed fork commits nothing
             self.commit(lease, tokens, lease.computed)
-            copy = self._allocate(1, "the copy of a partial block") if partial else []
-            if copy:
-                self._copy(pool, lease.blocks[full], copy)
-            shared = lease.blocks[:full]
-            self.allocator.retain(shared)
-            self.tree.lock(lease.node)
-            child = Lease(lease.namespace, shared + copy, lease.node, lease.computed, full,
-                          lease.cached_tokens, tokens=lease.tokens[:])
+            copy = self._supply.copy_of(self.pool, lease.blocks[full], what, live) if partial else []
+            child = share(self.tree, self.allocator, lease, copy)
             self._live[id(child)] = child
             return child
 
@@ -210,18 +186,11 @@ class CacheManager:
                 return
             try:
                 if tokens is not None:
-                    if len(tokens) < lease.computed:
-                        raise CacheError(f"release: {len(tokens)} tokens, but {lease.computed} "
-                                         "were computed")
-                    self.commit(lease, tokens, lease.computed)
-                    full, partial = divmod(lease.computed, self.block_size)
-                    if partial:
-                        self.tree.adopt_below(lease.node, tokens[full * self.block_size:lease.computed],
-                                              (), tail_block=lease.blocks[full])
+                    check_tokens_cover(lease, tokens)
+                    self.commit(lease, tokens, lease.computed)  # all its whole blocks
+                    keep_tail(self.tree, lease, tokens)
             finally:  # whatever happened above, the lease lets go of everything
-                self.tree.unlock(lease.node)
-                self.allocator.release(lease.blocks)
-                lease.node, lease.blocks, lease.released = None, [], True
+                let_go(self.tree, self.allocator, lease)
                 del self._live[id(lease)]
 
     def finish(self, lease: Lease, tokens: Sequence[int], keep_s: float | None = None) -> None:
@@ -231,9 +200,9 @@ class CacheManager:
         last block kept as a tail). A bad ``keep_s`` raises before anything changes; whatever
         fails after that, the lease is released."""
         with self.mutex:
-            self._check_live(lease, "finish")
+            check_live(lease, self._live, "finish")
             if keep_s is not None:
-                _check_seconds(keep_s)
+                check_seconds(keep_s)
             try:
                 if keep_s is not None:
                     self.commit(lease, tokens, lease.computed)
@@ -249,8 +218,7 @@ class CacheManager:
 
     def use_store(self, store) -> None:
         """Attach a shared store (or None); it needs the manager's pool and its block size."""
-        if store is not None and (self.pool is None or store.block_size != self.block_size):
-            raise ValueError("a store needs the manager's pool and the same block size")
+        check_store(store, self.pool, self.block_size)
         with self.mutex:
             self.store = store
 
@@ -258,9 +226,7 @@ class CacheManager:
         """Publish the tree's whole blocks through ``publisher`` (a
         ``radixcache.kv_events.KVEventPublisher``; None stops): it starts with ``AllBlocksCleared``
         and ``BlockStored`` for what the tree holds. A publisher replaced here is not closed."""
-        if publisher is not None and not hasattr(publisher, "log"):
-            raise TypeError(f"use_events takes a KVEventPublisher or None, got "
-                            f"{type(publisher).__name__}")
+        check_publisher(publisher)
         with self.mutex:
             self.tree.set_event_log(None if publisher is None else publisher.log)
             self.events = publisher
@@ -276,15 +242,11 @@ class CacheManager:
         event publisher (sending what is queued, unbinding); returns their final counters (empty
         without either). The cache itself stays usable, without them."""
         with self.mutex:
-            self._offers.finish(self.tree, self.pool)
+            self._finish_offers()
             store, self.store = self.store, None
             events = self.events
             self.use_events(None)
-        if store is not None:
-            self._store_stats = store.close(timeout)
-        if events is not None:
-            self._events_stats = events.close(timeout)
-        return {**self._store_stats, **self._events_stats}
+        return self._counters.close(store, events, timeout)
 
     def keep(self, lease: Lease, seconds: float) -> None:
         """Hint that ``lease``'s sequence comes back within ``seconds`` (an agent session waiting on
@@ -293,8 +255,8 @@ class CacheManager:
         refused. Soft: it never pins, needs no release, and once expired changes nothing; it never
         changes a computed token. Call it after the last ``commit``, before ``release``."""
         with self.mutex:
-            self._check_live(lease, "keep")
-            _check_seconds(seconds)
+            check_live(lease, self._live, "keep")
+            check_seconds(seconds)
             self.tree.keep(lease.node, self.clock() + seconds)
 
     # ------------------------------------------------------------------ ledger and sizes
@@ -317,8 +279,7 @@ class CacheManager:
         """Blocks an allocation can get now: the free ones plus those eviction would free (offers
         to the store are finished first, so none of their blocks is missing)."""
         with self.mutex:
-            self._offers.finish(self.tree, self.pool)
-            return self.allocator.num_free + self.tree.evictable_blocks
+            return self._supply.freeable()
 
     def stats(self) -> dict:
         """The ledger (``hit_rate`` = hit / queried tokens) and the sizes in tokens: ``cached_tokens``
@@ -326,20 +287,10 @@ class CacheManager:
         ``capacity_tokens``, ``evicted_tokens``, and ``running`` (live leases); with a store or a
         KV event publisher, their counters too (``store_*``, ``kv_events_*``)."""
         with self.mutex:
-            self._offers.finish(self.tree, self.pool)
-            tree, bs = self.tree, self.block_size
+            sizes = self._supply.sizes()  # finishes the offers first
             out = self.ledger.as_dict()
-            out.update(cached_tokens=tree.cached_blocks * bs, pinned_tokens=tree.pinned_blocks * bs,
-                       evictable_tokens=tree.evictable_blocks * bs,
-                       free_tokens=self.allocator.num_free * bs,
-                       capacity_tokens=self.allocator.num_blocks * bs,
-                       evicted_tokens=tree.stats.evicted_blocks * bs, running=len(self._live))
-            if self.store is not None:
-                self._store_stats = self.store.stats()
-            if self.events is not None:
-                self._events_stats = self.events.stats()
-            out.update(self._store_stats)
-            out.update(self._events_stats)
+            out.update(sizes, running=len(self._live))
+            out.update(self._counters.read(self.store, self.events))
             return out
 
     def reset_stats(self) -> None:
@@ -358,7 +309,7 @@ class CacheManager:
         """Verify the tree's invariants and the manager's (module docstring); AssertionError says
         what is wrong."""
         with self.mutex:
-            self._offers.finish(self.tree, self.pool)
+            self._finish_offers()
             check_manager(self.tree, self.allocator, self.leases(), self.block_size)
 
     def leases(self) -> tuple:
@@ -367,67 +318,9 @@ class CacheManager:
             return tuple(self._live.values())
 
     # ------------------------------------------------------------------ helpers
-    def _allocate(self, n: int, what: str) -> list:
-        free = self.allocator.num_free
-        if n > free:
-            self._offers.finish(self.tree, self.pool)
-            evictable = self.tree.evictable_blocks
-            if n > free + evictable:
-                running = sum(len(x.blocks) for x in self._live.values())
-                raise OutOfBlocks(
-                    f"{what} need {n} more blocks of {self.block_size} tokens: {free} are free and "
-                    f"{evictable} more could be evicted; {len(self._live)} running requests hold "
-                    f"{running} (pool: {self.allocator.num_blocks} blocks): raise max_cache_tokens "
-                    f"or run fewer or shorter requests at once")
-            self.tree.evict(n - free)
-        return self.allocator.allocate(n)
-
-    def _copy_tail(self, lease: Lease, m: Match) -> None:
-        if self.allocator.num_free < 1 and self.freeable_blocks() < 2:
-            return  # the only block eviction could take is the tail itself
-        tail = m.tail_block
-        self.allocator.retain([tail])  # the eviction for the copy must not free the source
-        try:
-            if self.allocator.num_free < 1:
-                self.tree.evict(1)  # the least recently used block: maybe the tail itself
-            if not self.tree.holds(tail) and self.allocator.refcount(tail) == 1:
-                copy = [tail]  # evicted: the tail is this lease's alone now, no copy needed
-            else:
-                copy = self._allocate(1, "the copy of a partial tail")
-                self._copy(self.pool, tail, copy)
-        except BaseException:
-            self.allocator.release([tail])
-            raise
-        if copy[0] != tail:
-            self.allocator.release([tail])
-        lease.blocks.extend(copy)
-        lease.computed += m.tail_length
-
-    def _copy(self, pool, src: int, copy: list) -> None:
-        try:
-            pool.copy_block(src, copy[0])
-        except BaseException:
-            self.allocator.release(copy)
-            raise
-
-    def _pool(self, what: str):
-        if self.pool is None:
-            raise CacheError(f"{what}: copying a partial block needs the manager's pool")
-        return self.pool
-
-    def _check_live(self, lease: Lease, what: str) -> None:
-        if not isinstance(lease, Lease):
-            raise TypeError(f"{what}: expected a Lease from admit(), got {type(lease).__name__}")
-        if lease.released or self._live.get(id(lease)) is not lease:
-            raise CacheError(f"{what}: the lease was released (or belongs to another manager)")
+    def _finish_offers(self) -> None:
+        self._offers.finish(self.tree, self.pool)
 
     def __repr__(self) -> str:
         return (f"CacheManager(block_size={self.block_size}, blocks={self.allocator.num_blocks}, "
                 f"free={self.allocator.num_free}, running={len(self._live)})")
-
-
-def _check_seconds(seconds) -> None:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise TypeError(f"keep: seconds must be a number, got {seconds!r}")
-    if not seconds >= 0:
-        raise ValueError(f"keep: seconds must be >= 0, got {seconds!r}")

@@ -107,6 +107,14 @@ class OfferQueue:
         self.queued.append(offer)
         self.mutex.armed = True
 
+    def offer(self, tree, store, lease, first: int, full: int) -> None:
+        """Queue for ``store`` the blocks ``first .. full-1`` of ``lease`` (a ``Lease`` the tree
+        has just adopted them from), locking the node its path ends at until the store has its
+        copies (manager's lock held)."""
+        tree.lock(lease.node)
+        self.add(Offer(store, lease.namespace, lease.tokens, first, lease.blocks[first:full],
+                       lease.node))
+
     def take(self) -> list[Offer]:
         """The queued offers, now counted as being sent (manager's lock held)."""
         batch, self.queued = self.queued, []

@@ -6,7 +6,9 @@
 - ``nodes``: the struct-of-arrays node table and the ``Node`` handles callers hold;
 - ``recency``: the eviction order (block-level LRU, retention as a second tier);
 - ``changes``: content epochs and the insert log for schedulers that cache ``peek`` results;
-- ``results``: ``Match``, ``Adopted``, ``CacheStats``; ``check``: ``RadixCache.check`` and ``leaks``.
+- ``results``: ``Match``, ``Adopted``, ``CacheStats``; ``check``: ``RadixCache.check`` and ``leaks``;
+- ``arguments``: the checks ``RadixCache`` runs on its arguments; ``event_log``: which KV event log
+  the tree tells of its blocks (attached, muted through a reset).
 """
 
 from radixcache.tree.nodes import Node

@@ -91,6 +91,15 @@ class NodeTable:
         """Whether id ``i`` still names the node a handle of generation ``gen`` was made for."""
         return 0 <= i < len(self.gen) and self.gen[i] == gen and self.keys[i] is not None
 
+    def path_blocks(self, i: int) -> bytes:
+        """The packed block ids (``array('I')`` bytes) on the path from the root down to node
+        ``i``, root first."""
+        runs = []
+        while i >= 0:
+            runs.append(self.blocks[i])
+            i = self.parent[i]
+        return b"".join(reversed(runs))
+
     def live_count(self) -> int:
         """Number of live nodes, roots included."""
         return len(self.keys) - len(self.free_ids)

@@ -14,7 +14,6 @@ tree. Calls over many block ids check them with numpy.
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from array import array
@@ -22,11 +21,14 @@ from collections.abc import Sequence
 
 from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError
+from radixcache.tree.arguments import (check_deadline, check_namespace, check_num_blocks,
+                                       check_tree_args, node_id)
 from radixcache.tree.nodes import HandleTable, Node
 from radixcache.tokens import token_bytes, unpack
 from radixcache.tree.body import TreeBody
 from radixcache.tree.check import check_tree, held_outside
 from radixcache.tree.eviction import evict_lru
+from radixcache.tree.event_log import attach_event_log, muted_then_resynced
 from radixcache.tree.insertion import insert_args, insert_below
 from radixcache.tree.changes import ChangeLog
 from radixcache.tree.results import Adopted, CacheStats, Match
@@ -36,16 +38,6 @@ __all__ = ["LIVE_CACHES", "Namespace", "RadixCache"]
 
 # Every RadixCache alive in the process; the test suite's leak check walks it.
 LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
-
-def _check_namespace(namespace: Namespace) -> Namespace:
-    if not isinstance(namespace, tuple):
-        raise TypeError(f"namespace must be a tuple, got {type(namespace).__name__}")
-    try:
-        hash(namespace)
-    except TypeError:
-        raise TypeError("namespace must be hashable") from None
-    return namespace
-
 
 class RadixCache:
     """Token-keyed, block-aligned radix tree with reference-counted blocks and LRU leaf eviction.
@@ -59,12 +51,7 @@ class RadixCache:
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int = 16, *, clock=time.monotonic):
-        if not isinstance(allocator, BlockAllocator):
-            raise TypeError("allocator must be a BlockAllocator")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not callable(clock):
-            raise TypeError("clock must be a callable returning seconds")
+        check_tree_args(allocator, block_size, clock)
         self.allocator = allocator
         self.block_size = block_size
         self.clock = clock
@@ -122,17 +109,6 @@ class RadixCache:
         """The handle on the live node ``node_id`` (for ``Node`` introspection)."""
         return self._handles.get(self, node_id, self.node_table.gen[node_id])
 
-    def _node_id(self, node: Node, what: str) -> int:
-        if not isinstance(node, Node):
-            raise TypeError(f"{what}: expected a node from match(), got {type(node).__name__}")
-        if node.owner is not self:
-            raise CacheError(f"{what}: node belongs to another RadixCache")
-        if not self.node_table.is_live(node.id, node.gen):
-            raise CacheError(f"{what}: node was evicted; lock the node a match returns right away")
-        if self.body.is_tail(node.id):
-            raise CacheError(f"{what}: a partial tail is never locked or retained; copy its block instead")
-        return node.id
-
     # ----------------------------------------------------------------- queries
     def match(self, tokens: Sequence[int], namespace: Namespace = ()) -> Match:
         """Longest cached block-aligned prefix of ``tokens`` in ``namespace``, and the partial tail
@@ -148,7 +124,7 @@ class RadixCache:
         """
         q = token_bytes(tokens)
         body = self.body
-        root = body.root(_check_namespace(namespace))
+        root = body.root(check_namespace(namespace))
         node, pos, blocks = body.walk(q, root, True)
         tail_length, tail = body.best_tail(node, q[pos:pos + body.bs4 - 4])
         if tail >= 0 and self.node_table.tail[node] == tail:
@@ -166,7 +142,7 @@ class RadixCache:
         """Length of the longest cached block-aligned prefix of ``tokens``, with no side effect at all
         (no split, no recency refresh, no stats): for schedulers that rank waiting requests."""
         q = token_bytes(tokens)
-        root = self.body.roots.get(_check_namespace(namespace))
+        root = self.body.roots.get(check_namespace(namespace))
         return 0 if root is None else self.body.walk(q, root, False)[1] >> 2
 
     # ----------------------------------------------------------------- inserts
@@ -197,7 +173,7 @@ class RadixCache:
     def _adopt(self, tokens, blocks, namespace, tail_block) -> tuple[int, int, bytearray]:
         """The insertion; returns (cached bytes, end node id, the tree's packed block ids)."""
         args = insert_args(self.body, tokens, blocks, tail_block, "insert")
-        root = self.body.root(_check_namespace(namespace))
+        root = self.body.root(check_namespace(namespace))
         return insert_below(self.body, self.allocator, self.stats, self.changes, root, args, 0, False)
 
     def adopt_below(self, node: Node, tokens: Sequence[int], blocks: Sequence[int],
@@ -211,7 +187,7 @@ class RadixCache:
         ``node`` itself rather than a new child (so a sequence committed block by block stays a
         few nodes deep): the returned node is then ``node``, which ends deeper now. ``CacheError``
         for a node that is not locked; every argument is checked before anything changes."""
-        start = self._node_id(node, "adopt_below")
+        start = node_id(self, node, "adopt_below")
         body = self.body
         if self.node_table.lock_ref[start] == 0:
             raise CacheError("adopt_below: lock the node first (an unlocked node may be split or evicted)")
@@ -224,11 +200,11 @@ class RadixCache:
     def lock(self, node: Node) -> None:
         """Pin the path from the namespace root to ``node``: none of it is evicted until ``unlock``.
         Locks nest. A partial tail is never locked (``CacheError``)."""
-        self.body.pin(self._node_id(node, "lock"))
+        self.body.pin(node_id(self, node, "lock"))
 
     def unlock(self, node: Node) -> None:
         """Undo one ``lock(node)``. Raises ``CacheError`` if ``node`` is not locked."""
-        i = self._node_id(node, "unlock")
+        i = node_id(self, node, "unlock")
         if self.node_table.own_locks[i] == 0:
             raise CacheError("unlock: node is not locked (lock() was not called on it)")
         self.body.unpin(i)
@@ -241,17 +217,9 @@ class RadixCache:
         retained. Retention only ever extends: the latest deadline given for a node holds. A partial
         tail below ``node`` is not covered. Raises ``TypeError``/``ValueError`` for a deadline that is
         not a real number, ``CacheError`` for a node no longer in the tree."""
-        i = self._node_id(node, "keep")
-        if isinstance(until, bool) or not isinstance(until, (int, float)):
-            raise TypeError(f"keep: until must be a number of seconds on the tree's clock, got {until!r}")
-        if math.isnan(until):
-            raise ValueError("keep: until is NaN")
-        nodes, recency = self.node_table, self.recency
-        if until > nodes.until[i]:
-            nodes.until[i] = until
-            if i in recency:
-                recency.discard(i)
-                recency.add(i)
+        i = node_id(self, node, "keep")
+        check_deadline(until)
+        self.recency.extend_deadline(i, until)
 
     # ----------------------------------------------------------------- eviction
     def evict(self, num_blocks: int) -> int:
@@ -266,8 +234,7 @@ class RadixCache:
         (``peek``, ``lock``, ``unlock``, ``keep``, splits, evictions) changes it. A use always
         covers the path from the namespace root, so a block is never older than the blocks below it
         and the least recently used blocks are always at leaves."""
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        check_num_blocks(num_blocks)
         dropped = evict_lru(self.body, num_blocks, self.clock)
         self.stats.evicted_blocks += dropped
         if dropped:
@@ -278,15 +245,10 @@ class RadixCache:
         """Drop every unpinned node (pinned paths stay) and release the tree's references on them.
         KV events announce it as ``AllBlocksCleared``, then ``BlockStored`` for what stays."""
         body = self.body
-        events, body.events = body.events, None
-        try:
+        with muted_then_resynced(body):
             self.evict(self.evictable_blocks)
             for root in list(body.root_ns):
                 body.drop_idle_root(root)
-        finally:
-            body.events = events
-        if events is not None:
-            events.resync(body)
 
     # ----------------------------------------------------------------- KV events
     def set_event_log(self, log) -> None:
@@ -295,15 +257,7 @@ class RadixCache:
         ``AllBlocksCleared`` and ``BlockStored`` for every whole block the tree holds already. Call
         it under the lock of whoever changes the tree (``CacheManager.use_events`` does). A log that
         follows another tree or is closed raises ``ValueError``, with nothing changed."""
-        body = self.body
-        if log is not None and log is body.events:
-            log.resync(body)
-            return
-        if log is not None:
-            log.attach(body)
-        if body.events is not None:
-            body.events.detach(body)
-        body.events = log
+        attach_event_log(self.body, log)
 
     def resync_events(self) -> None:
         """Publish ``AllBlocksCleared`` and ``BlockStored`` for every whole block the tree holds (for
@@ -314,12 +268,8 @@ class RadixCache:
     # ----------------------------------------------------------------- introspection
     def path_blocks(self, node: Node) -> tuple:
         """The blocks on the path from the namespace root down to ``node`` (no side effect)."""
-        i = self._node_id(node, "path_blocks")
-        nodes, runs = self.node_table, []
-        while i >= 0:
-            runs.append(nodes.blocks[i])
-            i = nodes.parent[i]
-        return tuple(array("I", b"".join(reversed(runs))))
+        i = node_id(self, node, "path_blocks")
+        return tuple(array("I", self.node_table.path_blocks(i)))
 
     def holds(self, block: int) -> bool:
         """True when the tree holds a reference on ``block`` (a node or a partial tail owns it)."""

@@ -79,6 +79,15 @@ class Recency:
         heapify(self.kept)
         heapify(self.expiry)
 
+    def extend_deadline(self, i: int, until: float) -> None:
+        """Raise node ``i``'s retention deadline (``nodes.until``) to ``until``, never lowering it;
+        a leaf with an entry is entered again, in the tier the new deadline puts it in."""
+        if until > self.nodes.until[i]:
+            self.nodes.until[i] = until
+            if i in self.where:
+                self.discard(i)
+                self.add(i)
+
     def discard(self, i: int) -> None:
         """Forget leaf ``i`` if it has an entry (it was touched, locked, grew a child or left)."""
         if self.where.pop(i, None) is not None:
