@@ -78,6 +78,8 @@ class Workload:
         return history_tokens(self.renderer, messages)
 
 
+SETTLE_S = 0.1  # between the in-process reference and the server: the other side's OpenMP workers stop spinning
+
 _RENDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-render")  # one: tokenizers
 
 
@@ -150,7 +152,8 @@ async def run_phase(server: ServerProcess, work: Workload, sessions: int, turns:
     """Run the sessions; no turn starts after ``budget_s`` and calls still running at twice that
     are cut off (reported as incomplete), so a phase never takes longer than ``2 * budget_s``. With
     one session and a ``reference``, each turn is followed (once the server is idle) by the same
-    turn in process (its time is left out of the phase's wall time)."""
+    turn in process (its time is left out of the phase's wall time), with ``SETTLE_S`` before and
+    after it, so that neither side starts while the other's OpenMP workers still spin."""
     from openai import AsyncOpenAI
 
     phase = Phase(server.name, sessions)
@@ -162,7 +165,9 @@ async def run_phase(server: ServerProcess, work: Workload, sessions: int, turns:
     async def in_process(turn):
         began = time.perf_counter()
         await wait_idle(server)
+        await asyncio.sleep(SETTLE_S)
         reference.turn(turn)
+        await asyncio.sleep(SETTLE_S)
         aside.append(time.perf_counter() - began)
 
     hook = in_process if reference is not None and sessions == 1 else None
