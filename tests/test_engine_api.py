@@ -134,21 +134,24 @@ def test_a_request_waiting_on_a_prefill_promotes_it_and_shares_its_blocks(model)
     assert tokens_of(events, "turn") == plain_greedy(model, turn, 2)
 
 
-def test_a_request_queued_behind_a_waiting_prefill_waits_for_it(model):
+def test_a_request_is_not_held_back_by_a_prefill_that_has_not_started(model):
     """A prefill-only request and, before any step, a normal request that extends its prompt: the
-    prefill-only one is promoted and admitted first, the normal one waits for it and counts its
-    whole prompt as cached; nothing is computed twice."""
+    normal one does not wait a step for it (it was held back until the prefill-only one had run,
+    which put a reply's history precompute on the next turn's critical path). It computes the
+    shared blocks itself, from its first step; the prefill-only one waits for it and then finds
+    them cached: it computes only its last token again (a match always leaves one to compute)."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=4096)
-    engine = lm.new_engine(max_step_tokens=16)
+    engine = lm.new_engine(max_step_tokens=64)
     history = random_ids(45, 12)[0].tolist()
     turn = history + random_ids(7, 13)[0].tolist()
     engine.add(Request("pre", history, prefill_only=True))
     engine.add(Request("turn", turn, SamplingParams(max_new_tokens=2)))
-    events = drain(engine)
-    order = [(e.request_id, e.finished) for e in events if e.finished]
-    assert order == [("pre", True), ("turn", True)]
-    assert next(e for e in events if e.request_id == "turn").cached_tokens == 45
-    assert lm.stats()["computed_prompt_tokens"] == len(turn)
+    first = engine.step()
+    assert [(e.request_id, e.finished) for e in first] == [("turn", False)]  # its first token, at once
+    events = first + drain(engine)
+    assert next(e for e in events if e.request_id == "turn").cached_tokens == 0
+    assert next(e for e in events if e.request_id == "pre").finish_reason == FINISH_PREFILLED
+    assert lm.stats()["computed_prompt_tokens"] == len(turn) + 1
     assert tokens_of(events, "turn") == plain_greedy(model, turn, 2)
 
 

@@ -1,7 +1,7 @@
 """The history work after a reply is off the critical path: the final chunk (and the JSON body) goes
 out before the history form is rendered, history work waits behind incoming prompts on the render
 thread, it renders the conversation at most twice, and a client that comes back before it is done
-still hits its whole previous conversation."""
+waits for its render but never for its compute."""
 
 import asyncio
 import threading
@@ -113,13 +113,19 @@ def test_the_final_chunk_goes_out_before_the_history_form_is_rendered(served, mo
 
 
 @pytest.mark.parametrize("served", [DRIFT_STRIP_THINK], indirect=True)
-def test_a_client_back_before_the_history_work_still_hits_the_whole_conversation(served, monkeypatch):
-    """The reasoning is dropped from the reply's history form, so only the precompute makes it a hit:
-    the next request of the same conversation waits for that work; another conversation does not."""
+def test_a_client_back_before_the_history_work_waits_for_its_render_not_its_compute(served, monkeypatch):
+    """The reasoning is dropped from the reply's history form, so only the precompute would make it
+    a hit. The next request of the same conversation waits for the history work to be rendered and
+    submitted (another conversation does not), but not for the engine to compute it: it computes
+    the rewritten reply itself in its own step (it waited a whole step before), and its short hit
+    is reported as ``not_precomputed``. Once the precompute ran, the form counts as computed."""
+    from serve_helpers import metric
+
     reply = "<think>\nThe user wants step one. Let me check.\n</think>\n" + REPLY
     gated = HeldHistoryWork(served.state, monkeypatch)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Go."}]
     served.say(messages, reply)
+    before = metric(served.metrics(), "prefix_cache_short_hits_total", reason="not_precomputed")
     try:
         assert ask(served, messages, stream=True)[0] == reply
         following = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Next."}]
@@ -138,7 +144,10 @@ def test_a_client_back_before_the_history_work_still_hits_the_whole_conversation
     history = history_tokens(served.state.renderer, messages + [{"role": "assistant", "content": reply}])
     prompt = served.render(following)
     assert prompt[:len(history)] == history and len(history) > len(SYSTEM) // 8
-    assert cached >= len(history) // BS * BS  # the whole history form, reasoning dropped and all
+    assert cached < len(history) // BS * BS  # it computed the rewritten reply itself
+    assert metric(served.metrics(), "prefix_cache_short_hits_total", reason="not_precomputed") == before + 1
+    served.quiet()
+    assert served.state.histories.computed(history) is None  # the precompute ran: all of it is computed
 
 
 def test_prompts_go_ahead_of_history_work_on_the_render_thread():

@@ -5,14 +5,17 @@ last delta has gone out (nobody waits for it): it renders the conversation plus 
 history form on the render thread behind every prompt waiting there (``history.history_after_reply``:
 at most two passes over the conversation), reports a departure from the computed tokens in the
 metrics and the log, submits the form's uncached blocks as a prefill-only request, and remembers the
-form in ``state.histories`` (with the conversation it follows) so that the next turn's hit can be
-checked against it, when the next turn continues that conversation (``continues``).
+form in ``state.histories`` (with the conversation it follows, and how much of it is computed: all
+of it once the precompute is done) so that the next turn's hit can be checked against it, when the
+next turn continues that conversation (``continues``).
 
 ``PendingHistories`` holds that work while it runs. A client may come back faster than it: before a
 chat request goes to the engine, ``wait_for(conversation, salt)`` waits for the history work of the
 conversations it continues (the same tools, and the earlier request's messages as its first
-messages), so its prompt finds the precomputed blocks (or the wait for them) and its hit is checked
-against the form. Other sessions' work is never waited for.
+messages: a render at most), so that its hit is checked against the form. The engine then holds it
+back only for a precompute already running; one that has not started yet it does not wait for
+(the request computes those blocks itself, and its short hit says ``not_precomputed``). Other
+sessions' work is never waited for.
 """
 
 from __future__ import annotations
@@ -40,10 +43,16 @@ async def precompute_history(state, job, generated_ids, reply: dict) -> None:
         logger.info("request %s: history form departs from the computed tokens at token %d (%s): %s",
                     job.request_id, history.divergence.token_index, history.divergence.reason,
                     history.divergence.detail)
-    precomputed = history.blocks_to_compute(state.limits.block_size) == 0 or \
-        state.precompute(history.token_ids, job.salt, job.request.keep_s)
-    state.histories.remember(history.token_ids, job.salt, None if precomputed else history.computed,
-                             source=conversation)
+    def remember(computed):
+        state.histories.remember(history.token_ids, job.salt, computed, source=conversation)
+
+    if history.blocks_to_compute(state.limits.block_size) == 0:
+        remember(None)
+        return
+    # until the precompute has run, only what was computed before is: a turn back before it
+    # computes the rest itself (the engine never holds a request back for background work)
+    state.precompute(history.token_ids, job.salt, job.request.keep_s, on_done=lambda: remember(None))
+    remember(history.computed)
 
 
 class PendingHistories:

@@ -138,10 +138,11 @@ class ServerState:
         if not task.cancelled() and task.exception() is not None:
             logger.error("background task failed", exc_info=task.exception())
 
-    def precompute(self, token_ids, salt: str | None, keep_s: float | None = None) -> bool:
+    def precompute(self, token_ids, salt: str | None, keep_s: float | None = None, on_done=None) -> bool:
         """Compute a history form's uncached blocks at low priority (prefill only), in the background;
-        ``keep_s``: the request's retention hint, which its history form keeps. Returns whether
-        the work was submitted (False: the precompute is off or the engine refused it)."""
+        ``keep_s``: the request's retention hint, which its history form keeps; ``on_done()`` is
+        called (on the event loop) once they are in the cache. Returns whether the work was
+        submitted (False: the precompute is off or the engine refused it)."""
         if self.engine is None or not self.options.history_precompute or self.stopping:
             return False
         request = history_request(token_ids, salt, keep_s)
@@ -151,14 +152,16 @@ class ServerState:
             logger.info("history precompute %s not submitted: %s", request.request_id, exc)
             return False
         self.metrics.observe_precompute(len(request.prompt))
-        self.spawn(self._drain(request.request_id, stream))
+        self.spawn(self._drain(request.request_id, stream, on_done))
         return True
 
-    async def _drain(self, request_id: str, stream) -> None:
+    async def _drain(self, request_id: str, stream, on_done) -> None:
         try:
             async for event in stream:
                 if event.finish_reason == "error":
                     logger.warning("history precompute %s failed: %s", request_id, event.error)
+                elif event.finish_reason == "prefilled" and on_done is not None:
+                    on_done()
         except asyncio.CancelledError:
             self.engine.abort(request_id)
             raise

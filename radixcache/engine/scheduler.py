@@ -8,9 +8,12 @@ release), with its lock held by the caller (``Engine.step``).
   prefix (``"lpm"``) or arrival (``"fcfs"``). A request admits only when its first chunk's blocks
   can be had (evicting LRU leaves if need be); otherwise admission stops for this step, so no
   small request overtakes a large one forever. A request whose prompt shares uncached blocks with
-  a prompt being computed, or with a prefill-only request still waiting, waits for it (and promotes
-  a prefill-only one to its own priority) and then matches those blocks from the tree: the same
-  blocks are never computed twice, and the waiting request counts them as cached.
+  a prompt being computed waits for it (and promotes a prefill-only one to its own priority) and
+  then matches those blocks from the tree: the same blocks are never computed twice, and the
+  waiting request counts them as cached. A prefill-only request that has not started yet holds no
+  normal request back: the normal one computes the shared blocks itself, and the prefill-only one,
+  admitted after it, waits for it and then finds them cached (background work such as a reply's
+  history form never costs a client a step).
 - A step takes every decode (one token each) and then prompt chunks within ``max_step_tokens``,
   in priority order; each sequence's blocks grow to cover its new tokens. When even eviction cannot
   supply them, the lowest-priority, most recently admitted sequence is preempted: what it computed
@@ -35,8 +38,8 @@ class Scheduler:
     Per step it costs O(W + R) list, heap and dictionary operations and a tree ``peek`` only for
     the waiting sequences that the tree's changes since their last peek may have changed, and that
     the admission reaches (see ``_in_order``); nothing at all for admission while every slot is
-    taken. Which prompts being computed share blocks with a waiting one is looked up in
-    ``PromptIndex``es, never compared pairwise.
+    taken. Which prompts being computed share blocks with a waiting one is looked up in a
+    ``PromptIndex``, never compared pairwise.
     """
 
     def __init__(self, manager, *, max_running: int, max_step_tokens: int, schedule: str,
@@ -57,7 +60,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._admissions = 0
         self._prefilling = PromptIndex(self.block_size)  # running sequences still in their prompt
-        self._queued = PromptIndex(self.block_size)  # prefill-only sequences still waiting
         self._synced = -1  # the tree epoch the waiting sequences' peeks were last carried to
 
     # ------------------------------------------------------------------ admission
@@ -70,14 +72,11 @@ class Scheduler:
                 seq.passed_over += 1
             return []
         self._prefilling.sync(s for s in self.running if s.in_prompt)
-        self._promote_queued_prefills()
         admitted = []
         for seq in self._in_order():
             if len(self.running) >= self.max_running:
                 break
             blocker = self._pending_prefill(seq, self._prefilling)
-            if blocker is None and not seq.request.prefill_only:
-                blocker = self._pending_prefill(seq, self._queued)
             if blocker is not None:
                 if blocker.request.prefill_only:
                     blocker.live.boost = min(blocker.live.boost, seq.live.priority)
@@ -99,7 +98,6 @@ class Scheduler:
             seq.admitted = self._admissions
             self._admissions += 1
             self.running.append(seq)
-            self._queued.discard(seq)
             if seq.in_prompt:
                 self._prefilling.add(seq)
             admitted.append(seq)
@@ -194,19 +192,6 @@ class Scheduler:
         bs = self.manager.block_size
         end = min(len(seq.tokens), have + self.max_step_tokens)
         return -(-end // bs) - have // bs > self.manager.freeable_blocks()
-
-    def _promote_queued_prefills(self) -> None:
-        """File the prefill-only sequences still waiting; each that shares uncached whole blocks
-        with a waiting normal request is promoted to that request's priority first, so it is
-        admitted ahead of it and the normal request waits for it (and counts its blocks as cached)
-        instead of computing them itself."""
-        self._queued.sync(s for s in self.waiting if s.request.prefill_only)
-        if self._queued:
-            for seq in self.waiting:
-                if not seq.request.prefill_only:
-                    blocker = self._pending_prefill(seq, self._queued)
-                    if blocker is not None:
-                        blocker.live.boost = min(blocker.live.boost, seq.live.priority)
 
     def _pending_prefill(self, seq: Sequence, index: PromptIndex) -> Sequence | None:
         """A member of ``index`` (a prompt still being computed) that shares with ``seq`` at least
