@@ -14,25 +14,23 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from radixcache.attention import resolve_backend
 from radixcache.engine import Engine
 from radixcache.integrations.hf import batch as batch_path
 from radixcache.integrations.hf.attention import UnsupportedAttention, install
-from radixcache.integrations.hf.cache import PagedCache
+from radixcache.integrations.hf.fallback import passed_cache_reason, plain_generate
 from radixcache.integrations.hf.generate import generate_paged, unsupported_call
 from radixcache.integrations.hf.identity import kv_geometry, model_identity
 from radixcache.integrations.hf.inputs import (check_wrap_arguments, checked_generation_config,
                                                checked_keep, passed_caches, prompt_tensors,
                                                split_mapping)
-from radixcache.integrations.hf.resources import default_cache_tokens, open_store, unsupported_reason
+from radixcache.integrations.hf.pool_setup import Fp8ClampWarning, pool_blocks, pool_maker, pool_stats
+from radixcache.integrations.hf.resources import open_store, unsupported_reason
 from radixcache.integrations.hf.runner import HFModelRunner
 from radixcache.integrations.hf.selftest import run_self_tests
-from radixcache.kv.pool import KVPool, resolve_kv_dtype
+from radixcache.kv.pool import resolve_kv_dtype
 from radixcache.kv_events import open_publisher
 from radixcache.lifecycle.manager import CacheManager
-from radixcache.kv.geometry import kv_bytes_per_token
 
 logger = logging.getLogger("radixcache")
 
@@ -82,7 +80,7 @@ class CachedLM:
         self._explicit_id = model_id is not None
         self.model_id = model_id or model_identity(model)
         self._warned: set = set()
-        self._clamped_seen = 0
+        self._fp8_clamps = Fp8ClampWarning()
         self._engine = None
         self.pool = self.backend = self.runner = None
         # decided before any pool exists: a model no path can serve gets none
@@ -92,21 +90,13 @@ class CachedLM:
             self.runner = HFModelRunner(model, self.vocab_size, self.device, self.model_id)
             install(model)
             geometry = kv_geometry(model.config)
-
-            def make_pool(num_blocks: int) -> KVPool:
-                return KVPool(geometry.layers, num_blocks, block_size, geometry.kv_heads,
-                              geometry.head_dim, dtype=self.dtype, device=self.device,
-                              kv_dtype=kv_dtype, head_dim_v=geometry.head_dim_v)
-
+            make_pool = pool_maker(geometry, block_size, self.dtype, self.device, kv_dtype)
             self.unsupported, self.engine_unsupported = run_self_tests(self, make_pool)
         if self.unsupported and self.engine_unsupported:
             self.manager = CacheManager(1, block_size)  # the ledger (fallbacks) only: no pool
         else:
-            if max_cache_tokens is None:
-                element = torch.empty((), dtype=storage).element_size()
-                max_cache_tokens = default_cache_tokens(kv_bytes_per_token(*geometry, element),
-                                                        self.device)
-            self.pool = make_pool(max(1, max_cache_tokens // block_size))
+            self.pool = make_pool(pool_blocks(geometry, block_size, max_cache_tokens, storage,
+                                              self.device))
             self.manager = CacheManager(self.pool.num_blocks, block_size, pool=self.pool)
         self.cache = self.manager.tree
         if self.pool is not None:
@@ -175,7 +165,8 @@ class CachedLM:
             return self._fallback("no input_ids (inputs_embeds only)",
                                   dict(kwargs, attention_mask=attention_mask), passed)
         ids, mask = prompt_tensors(input_ids, attention_mask, self.vocab_size, self.device)
-        reason = self.unsupported or self._passed_cache(passed) or unsupported_call(config, mask, kwargs)
+        reason = (self.unsupported or passed_cache_reason(passed, self)
+                  or unsupported_call(config, mask, kwargs))
         if reason:
             return self._fallback(reason, dict(kwargs, input_ids=ids, attention_mask=mask), passed)
         try:
@@ -184,29 +175,11 @@ class CachedLM:
         except UnsupportedAttention as e:  # e.g. dropout in training mode: this call only
             return self._fallback(f"the paged KV path cannot serve this call: {e}",
                                   dict(kwargs, input_ids=ids, attention_mask=mask), passed)
-        self._check_fp8_range()
+        self._fp8_clamps.check(self.pool)
         return out
 
-    def _passed_cache(self, passed: list) -> str | None:
-        for cache in passed:
-            if isinstance(cache, PagedCache):
-                if cache.owner is not self:
-                    raise ValueError("this PagedCache belongs to another radixcache wrapper; "
-                                     "pass it to the lm.generate that returned it")
-                continue  # ours, released when its call returned: the tree holds its prefix
-            return "caller passed its own cache"
-        return None
-
     def _fallback(self, reason: str, kwargs: dict, passed: list):
-        self.manager.record_fallback(reason)
-        if reason not in self._warned:
-            self._warned.add(reason)
-            logger.warning("radixcache: %s; using plain model.generate (no prefix caching)", reason)
-        own = [c for c in passed if not isinstance(c, PagedCache)]
-        if own:
-            kwargs["cache"] = own[0]  # transformers' name (past_key_values is deprecated)
-        with torch.no_grad():
-            return self.model.generate(**kwargs)
+        return plain_generate(self.model, self.manager, reason, kwargs, passed, self._warned)
 
     # ------------------------------------------------------------------ generate_batch
     def generate_batch(self, prompts, *, max_new_tokens: int | None = None,
@@ -258,7 +231,7 @@ class CachedLM:
         except UnsupportedAttention as e:  # e.g. dropout in training mode: this call only
             self.manager.record_fallback(f"the paged KV path cannot serve this call: {e}")
             return batch_path.plain_batch(self, requests, False)
-        self._check_fp8_range()
+        self._fp8_clamps.check(self.pool)
         return out
 
     def new_engine(self, **options) -> Engine:
@@ -289,13 +262,7 @@ class CachedLM:
         ``store_dropped_blocks``, ``store_bytes_read``, ``store_bytes_written``, ``store_errors``,
         ...), which stay readable after ``close()``."""
         out = self.manager.stats()
-        if self.pool is None:  # a model wrap() ruled out: no pool, every call is plain generate
-            out.update(free_tokens=0, capacity_tokens=0, kv_bytes_per_token=0, kv_pool_bytes=0,
-                       fp8_clamped_writes=0)
-            return out
-        out["kv_bytes_per_token"] = self.pool.bytes_per_token
-        out["kv_pool_bytes"] = self.pool.total_bytes
-        out["fp8_clamped_writes"] = self.pool.clamped_writes()
+        out.update(pool_stats(self.pool))
         return out
 
     def close(self, timeout: float = 10.0) -> dict:
@@ -318,16 +285,6 @@ class CachedLM:
     def clear(self) -> None:
         """Drop every cached prefix that no running request holds."""
         self.manager.clear()
-
-    def _check_fp8_range(self) -> None:
-        if self.pool is None or not self.pool.quantized:
-            return
-        clamped = self.pool.clamped_writes()
-        if clamped > self._clamped_seen:
-            logger.warning("radixcache: %d fp8 K/V writes exceeded the range calibrated on the "
-                           "first K/V and were clamped; use kv_dtype='bf16' if outputs drift",
-                           clamped - self._clamped_seen)
-            self._clamped_seen = clamped
 
     def __repr__(self) -> str:
         if self.pool is None:

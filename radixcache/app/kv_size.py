@@ -20,19 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from radixcache.app.kv_size_checks import check_heads, check_int, check_mla, check_window
 from radixcache.kv.geometry import kv_bytes_per_token
 
 ATTENTION_KINDS = ("MHA", "GQA", "MQA", "MLA")
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-
-def check_int(value, what: str, minimum: int) -> int:
-    """``value`` when it is an int >= ``minimum``; TypeError/ValueError naming ``what`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return value
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -104,52 +97,11 @@ class KVShape:
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         check_int(self.head_dim_v, "head_dim_v", 1)
-        self._check_window()
+        check_window(self)
         if self.attention == "MLA":
-            self._check_mla()
+            check_mla(self)
         else:
-            self._check_heads()
-
-    def _check_window(self):
-        check_int(self.sliding_layers, "sliding_layers", 0)
-        if self.sliding_window is None:
-            if self.sliding_layers:
-                raise ValueError(f"{self.name}: sliding_layers without a sliding_window")
-            return
-        check_int(self.sliding_window, "sliding_window", 1)
-        if not 1 <= self.sliding_layers <= self.layers:
-            raise ValueError(f"{self.name}: a sliding window needs 1..{self.layers} sliding_layers, "
-                             f"got {self.sliding_layers}")
-
-    def _check_mla(self):
-        if self.latent_dim < 1:
-            raise ValueError(f"{self.name}: MLA needs latent_dim >= 1")
-        if self.head_dim <= self.rope_dim:
-            raise ValueError(f"{self.name}: MLA keys are qk_nope + qk_rope ({self.rope_dim}) wide, "
-                             f"got head_dim {self.head_dim}")
-        if self.query_heads is not None and self.kv_heads > self.query_heads:
-            raise ValueError(f"{self.name}: kv_heads ({self.kv_heads}) exceeds "
-                             f"query_heads ({self.query_heads})")
-
-    def _check_heads(self):
-        if self.latent_dim or self.rope_dim:
-            raise ValueError(f"{self.name}: latent_dim/rope_dim apply only to MLA, not {self.attention}")
-        if self.head_dim_v != self.head_dim:
-            raise ValueError(f"{self.name}: K and V of different head dims ({self.head_dim}, "
-                             f"{self.head_dim_v}) apply only to MLA, not {self.attention}")
-        if self.attention == "MQA" and self.kv_heads != 1:
-            raise ValueError(f"{self.name}: MQA means one KV head, got kv_heads={self.kv_heads}")
-        if self.query_heads is None:
-            return
-        if self.kv_heads > self.query_heads:
-            raise ValueError(f"{self.name}: kv_heads ({self.kv_heads}) exceeds "
-                             f"query_heads ({self.query_heads})")
-        if self.attention == "MHA" and self.kv_heads != self.query_heads:
-            raise ValueError(f"{self.name}: MHA means kv_heads == query_heads, "
-                             f"got {self.kv_heads} != {self.query_heads}")
-        if self.attention == "GQA" and not 1 < self.kv_heads < self.query_heads:
-            raise ValueError(f"{self.name}: GQA means 1 < kv_heads < query_heads, "
-                             f"got {self.kv_heads} of {self.query_heads}")
+            check_heads(self)
 
     @classmethod
     def mla(cls, name: str, layers: int, heads: int, nope_dim: int, rope_dim: int, v_dim: int,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from radixcache.app.kv_size import KVShape, check_int
+from radixcache.app.kv_size import KVShape
+from radixcache.app.kv_size_checks import check_int
 from radixcache.table import render_table
 
 _KIB = 1024

@@ -21,16 +21,18 @@ from __future__ import annotations
 import threading
 import time
 from array import array
-from collections import deque
 
 import torch
 
-from radixcache.attention.plan import Segment, StepPlan, device_tensor
+from radixcache.attention.plan import StepPlan, device_tensor
 from radixcache.engine import grammar
+from radixcache.engine.inbox import Inbox
+from radixcache.engine.packing import pack_batch
 from radixcache.engine.request import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREFILLED,
                                        FINISH_STOP, Event, Request, checked_prompt)
 from radixcache.engine.runner import EngineMetrics, ModelRunner
-from radixcache.engine.sampling import Row, choose_step, sample_generator
+from radixcache.engine.samples import fork_samples, new_leader
+from radixcache.engine.sampling import Row, choose_step
 from radixcache.engine.scheduler import Scheduler
 from radixcache.engine.sequence import Live, Sequence
 
@@ -57,9 +59,7 @@ class Engine:
         self._masks = grammar.GrammarMasks(runner.vocab_size)
         self._live: dict = {}  # request_id -> Live (added, not yet fully finished)
         self._samples: dict = {}  # request_id -> its Sequence objects (the leader first)
-        self._inbox: deque = deque()  # ("add", Live, tokens), ("abort", id, sample): in order
-        self._inbox_lock = threading.Lock()  # guards _inbox and the set of known ids
-        self._known: set = set()
+        self._inbox = Inbox()  # queued adds and aborts, and the request ids in use
         self._busy = threading.Lock()  # held by whoever mutates the running state
         self._pending: list[Event] = []  # events produced outside a step (aborts)
         self.last_error: BaseException | None = None  # the exception of the last failed forward
@@ -69,7 +69,7 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """True while any added request has not delivered its final events."""
-        return bool(self._known or self._pending)
+        return bool(self._inbox or self._pending)
 
     def check(self, request: Request) -> array:
         """Validate ``request`` for this engine without adding it; return its prompt as a new
@@ -84,7 +84,7 @@ class Engine:
         if request.constraint is not None:
             grammar.check_constraint(request.constraint, self.runner.vocab_size,
                                      f"request {request.request_id!r}")
-        if request.request_id in self._known:
+        if self._inbox.in_use(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         return tokens
 
@@ -96,21 +96,15 @@ class Engine:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)))
         live = Live(request, (self.runner.model_id, request.cache_salt), seed)
-        with self._inbox_lock:
-            if request.request_id in self._known:
-                raise ValueError(f"request id {request.request_id!r} is already in use")
-            self._known.add(request.request_id)
-            self._inbox.append(("add", live, tokens))
+        self._inbox.put_add(request.request_id, live, tokens)
 
     def abort(self, request_id, sample: int | None = None) -> bool:
         """Stop request ``request_id`` (or only its sample ``sample``, e.g. on a stop string) now:
         its blocks are released at once (what it computed stays cached), or at the end of a step
         running in another thread. Each sample stopped gets an ``"abort"`` event from the next
         ``step``. Returns False for an unknown or finished id (a no-op)."""
-        with self._inbox_lock:
-            if request_id not in self._known:
-                return False
-            self._inbox.append(("abort", request_id, sample))
+        if not self._inbox.put_abort(request_id, sample):
+            return False
         if self._busy.acquire(blocking=False):
             try:
                 with self.manager.mutex:
@@ -160,34 +154,21 @@ class Engine:
     def _drain(self) -> list[Event]:
         """Apply queued adds and aborts (manager lock held)."""
         events = []
-        while True:
-            with self._inbox_lock:
-                if not self._inbox:
-                    return events
-                item = self._inbox.popleft()
+        for item in self._inbox.take():
             if item[0] == "add":
                 _, live, tokens = item
                 self._enqueue(live, tokens)
             else:
                 events.extend(self._abort(item[1], item[2]))
+        return events
 
     def _enqueue(self, live: Live, tokens: array) -> None:
         request = live.request
-        leader = Sequence(live, 0, tokens, len(tokens), self._arrivals, fork=request.num_samples)
+        leader = new_leader(live, tokens, self._arrivals)
         self._arrivals += 1
-        self._init_sampling(leader)
         self._live[request.request_id] = live
         self._samples[request.request_id] = [leader]
         self.scheduler.waiting.append(leader)
-
-    def _init_sampling(self, seq: Sequence) -> None:
-        params = seq.request.params
-        if params.do_sample:
-            seq.generator = sample_generator(seq.live.seed, seq.sample)
-        if params.repetition_penalty != 1:
-            seq.seen = set(seq.tokens)
-        if seq.request.constraint is not None:
-            seq.matcher = grammar.new_matcher(seq.request.constraint)
 
     def _abort(self, request_id, sample=None) -> list[Event]:
         live = self._live.get(request_id)
@@ -210,19 +191,11 @@ class Engine:
     def _forget(self, request_id) -> None:
         self._live.pop(request_id, None)
         self._samples.pop(request_id, None)
-        with self._inbox_lock:
-            self._known.discard(request_id)
+        self._inbox.release(request_id)
 
     # ------------------------------------------------------------------ the step
     def _forward(self, batch, events: list) -> torch.Tensor | None:
-        tokens, positions, segments, keep = [], [], [], []
-        for seq, k in batch:
-            start = seq.computed
-            segments.append(Segment(len(tokens), k, start + k, tuple(seq.lease.blocks)))
-            tokens.extend(seq.tokens[start:start + k])
-            positions.extend(range(start, start + k))
-            if start + k == len(seq.tokens) and not seq.request.prefill_only:
-                keep.append(len(tokens) - 1)
+        tokens, positions, segments, keep = pack_batch(batch)
         began = time.perf_counter()
         try:
             plan = StepPlan(self.pool, segments, self.backend)
@@ -307,14 +280,8 @@ class Engine:
 
     def _fork(self, leader: Sequence) -> list[Sequence]:
         """Samples 1..n-1 of ``leader``'s request, right after its prompt."""
-        children = []
-        for i in range(1, leader.fork):
-            if i in leader.live.finished:
-                continue  # aborted before it existed
-            child = Sequence(leader.live, i, leader.tokens[:], leader.prompt_len, leader.arrival)
-            self._init_sampling(child)
-            children.append(child)
-            self._samples[leader.request.request_id].append(child)
+        children = fork_samples(leader)
+        self._samples[leader.request.request_id].extend(children)
         leader.fork = 1
         return self.scheduler.fork(leader, children)
 

@@ -5,7 +5,7 @@ the namespace roots, the in-tree marks (one byte per pool block: 1 where the tre
 reference), the cached, pinned and partial-tail block counts, and ``events``: None, or the
 ``radixcache.kv_events.BlockEventLog`` told of every whole block that enters (``add_child`` and
 ``extend``, the only ways one does) or leaves (``radixcache.tree.eviction.evict_lru``, the only way one
-does) the tree.
+does) the tree. A node's partial tail is kept and dropped by ``radixcache.tree.tails``.
 
 Invariants every method keeps (``RadixCache.check`` asserts them):
 
@@ -38,6 +38,7 @@ import numpy as np
 from radixcache.blocks import VECTOR_MIN, BlockAllocator
 from radixcache.tree.nodes import NodeTable
 from radixcache.tree.recency import Recency
+from radixcache.tree.tails import drop_tail
 from radixcache.tokens import common_blocks, common_tokens
 
 TAIL_SCAN = 32  # children scanned for a partially matching first block (more: only the tail is tried)
@@ -212,7 +213,7 @@ class TreeBody:
         nodes = self.nodes
         old = nodes.tail[node]
         if old >= 0 and key.startswith(nodes.keys[old]):
-            self.drop_tail(node)
+            drop_tail(self, node)
         self.recency.discard(node)
         child = nodes.new(node, key, blocks.tobytes(), 0)
         if nodes.kids[node] is None:
@@ -250,7 +251,7 @@ class TreeBody:
         ``can_extend``; a tail the new tokens cover is dropped. The node is pinned: so are they."""
         nodes = self.nodes
         if nodes.tail[i] >= 0:
-            self.drop_tail(i)
+            drop_tail(self, i)
         before, added = nodes.blocks[i], blocks.tobytes()
         nodes.keys[i] += key
         nodes.blocks[i] = before + added
@@ -260,44 +261,6 @@ class TreeBody:
         self.mark(blocks, 1)
         self.cached += len(blocks)
         self.pinned += len(blocks)
-
-    def keep_tail(self, node: int, rest: bytes, block: array) -> int:
-        """Make ``block`` (holding the tokens ``rest``) the tail of ``node`` unless the tail there or
-        a whole-block child already covers them; a different or shorter tail is replaced.
-
-        Returns the tail that now holds ``rest`` (the new one, or the one there that covers it),
-        for the caller to ``touch``; -1 where a child covers it (only the child's first block holds
-        those tokens, so refreshing the child would refresh blocks the insert never used)."""
-        nodes = self.nodes
-        old = nodes.tail[node]
-        if old >= 0 and nodes.keys[old].startswith(rest):
-            return old
-        kids = nodes.kids[node]
-        if kids is not None and any(nodes.keys[c].startswith(rest) for c in kids.values()):
-            return -1
-        if old >= 0:
-            self.drop_tail(node)
-        self.recency.discard(node)
-        tail = nodes.tail[node] = nodes.new(node, rest, block.tobytes(), nodes.access[node])
-        self.allocator.retain_checked(block)
-        self.in_tree[block[0]] = 1
-        self.cached += 1
-        self.tails += 1
-        return tail
-
-    # ----------------------------------------------------------------- shrinking
-    def drop_tail(self, node: int) -> None:
-        """Release ``node``'s tail (the caller re-files ``node`` for eviction if needed)."""
-        nodes = self.nodes
-        tail = nodes.tail[node]
-        self.recency.discard(tail)
-        nodes.tail[node] = -1
-        block = array("I", nodes.blocks[tail])
-        self.allocator.release(block)
-        self.in_tree[block[0]] = 0
-        self.cached -= 1
-        self.tails -= 1
-        nodes.free(tail)
 
     # ----------------------------------------------------------------- pins
     def pin(self, i: int) -> None:

@@ -12,6 +12,7 @@ from array import array
 
 from radixcache.blocks import as_block_ids, has_duplicates
 from radixcache.errors import CacheError
+from radixcache.tree.tails import keep_tail
 from radixcache.tokens import token_bytes
 
 
@@ -61,7 +62,7 @@ def insert_below(body, allocator, stats, changes, start: int, args: tuple, depth
         path += adopted
     used = node
     if tail is not None:
-        kept = body.keep_tail(node, q[nblocks * bs4:], tail)
+        kept = keep_tail(body, node, q[nblocks * bs4:], tail)
         changes.changed()
         if kept >= 0:
             used = kept
