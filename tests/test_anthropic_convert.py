@@ -75,12 +75,13 @@ def test_the_reply_comes_back_as_the_client_echoes_it():
     reply = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "Bash", "arguments": '{"c":"ls"}'}},
         {"id": "call_2", "type": "function", "function": {"name": "Bash", "arguments": '{"c": "pwd"}'}}]}
-    assert reply_blocks(reply, False) == [{"type": "tool_use", "id": "call_1", "name": "Bash", "input": {"c": "ls"}},
-                                          {"type": "tool_use", "id": "call_2", "name": "Bash", "input": {"c": "pwd"}}]
-    echoed = echoed_reply(reply, True)  # one call only; the arguments as the echo will write them
+    assert reply_blocks(reply) == [{"type": "tool_use", "id": "call_1", "name": "Bash", "input": {"c": "ls"}},
+                                   {"type": "tool_use", "id": "call_2", "name": "Bash", "input": {"c": "pwd"}}]
+    echoed = echoed_reply(reply)  # the arguments as the echo will write them
     assert echoed == {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "Bash", "arguments": json.dumps({"c": "ls"})}}]}
-    assert echoed_reply({"role": "assistant", "content": "Hi."}, False) == {"role": "assistant", "content": "Hi."}
+        {"id": "call_1", "type": "function", "function": {"name": "Bash", "arguments": json.dumps({"c": "ls"})}},
+        {"id": "call_2", "type": "function", "function": {"name": "Bash", "arguments": json.dumps({"c": "pwd"})}}]}
+    assert echoed_reply({"role": "assistant", "content": "Hi."}) == {"role": "assistant", "content": "Hi."}
 
 
 def test_retention_comes_from_the_longest_ttl_or_the_session():

@@ -355,6 +355,20 @@ def test_a_json_schema_format_is_enforced(served, client):
     assert r.status == "completed" and isinstance(json.loads(r.output_text)["word"], str)
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto(served, client):
+    question = [{"role": "user", "content": "Weather in Oslo and Rome?"}]
+    two = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    served.say(question, two, CHAT_TOOLS)
+    both = client.responses.create(model="m", input="Weather in Oslo and Rome?", tools=TOOLS, store=False,
+                                   temperature=0)
+    one = client.responses.create(model="m", input="Weather in Oslo and Rome?", tools=TOOLS, store=False,
+                                  temperature=0, parallel_tool_calls=False)
+    assert [json.loads(i.arguments)["city"] for i in both.output] == ["Oslo", "Rome"]
+    assert [json.loads(i.arguments)["city"] for i in one.output] == ["Oslo"]
+    served.assert_clean()
+
+
 def test_a_required_tool_choice_is_enforced(served, client):
     bounded = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},

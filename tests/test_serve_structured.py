@@ -92,6 +92,22 @@ def test_parallel_false_allows_one_call_and_a_named_tool_is_the_one_called(serve
     jsonschema.validate(json.loads(named.message.tool_calls[0].function.arguments), TOOLS[1]["function"]["parameters"])
 
 
+def test_parallel_false_under_auto_keeps_the_first_call(served, client):
+    """No grammar binds an "auto" reply; the model writes two calls and the client asked for one
+    at most: the first is the answer, streamed or not (both were returned before)."""
+    served.say(MESSAGES, TWO_CALLS, tools=TOOLS)
+    one = chat(client, max_tokens=80, tools=TOOLS, parallel_tool_calls=False).choices[0]
+    assert [c.function.name for c in one.message.tool_calls] == ["get_weather"]
+    assert one.finish_reason == "tool_calls" and one.message.content is None
+    streamed = chat(client, max_tokens=80, tools=TOOLS, parallel_tool_calls=False, stream=True)
+    names, finish = [], None
+    for chunk in streamed:
+        for choice in chunk.choices:
+            names += [c.function.name for c in choice.delta.tool_calls or [] if c.function.name]
+            finish = choice.finish_reason or finish
+    assert names == ["get_weather"] and finish == "tool_calls"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_complete_calls_survive_a_max_tokens_cut(served, client, stream):
     served.say(MESSAGES, TWO_CALLS, tools=TOOLS)

@@ -202,17 +202,16 @@ def retain_seconds(req: CountTokensRequest, session_id: str | None) -> float | N
     return SESSION_RETAIN_S if session_id else None
 
 
-def reply_blocks(reply: dict, single_call: bool) -> list[dict]:
+def reply_blocks(reply: dict) -> list[dict]:
     """The response's content blocks of a reply (an OpenAI assistant message): its text, then one
-    ``tool_use`` per call (only the first with ``single_call``)."""
+    ``tool_use`` per call."""
     blocks = [{"type": "text", "text": reply["content"]}] if reply.get("content") else []
-    calls = reply.get("tool_calls") or []
-    for call in calls[:1] if single_call else calls:
+    for call in reply.get("tool_calls") or []:
         blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                        "input": json.loads(call["function"]["arguments"])})
     return blocks
 
 
-def echoed_reply(reply: dict, single_call: bool) -> dict:
+def echoed_reply(reply: dict) -> dict:
     """The reply as the client sends it back next turn (its content blocks, converted again)."""
-    return _assistant(Message.model_validate({"role": "assistant", "content": reply_blocks(reply, single_call)}), 0)
+    return _assistant(Message.model_validate({"role": "assistant", "content": reply_blocks(reply)}), 0)

@@ -74,7 +74,7 @@ async def messages_job(state, req, key: str | None) -> tuple[Job, "MessagesReply
     model = resolve_model(req.model, state.model_names)
     conversation, prompt = await _conversation(state, req, key)
     mode = C.tool_mode(req, conversation)
-    reply = MessagesReply(mode.single_call)
+    reply = MessagesReply()
     session = req.metadata.session_id if req.metadata is not None else None
     try:
         job = new_job(state, "anthropic", model, prompt.token_ids, id_prefix="msg", api_key=key,
@@ -82,7 +82,7 @@ async def messages_job(state, req, key: str | None) -> tuple[Job, "MessagesReply
                       top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                       stop=req.stop_sequences or (), stream=req.stream, keep_s=C.retain_seconds(req, session),
                       conversation=conversation, parse_tools=mode.parse_tools, clamp_max_tokens=True,
-                      constraint=mode.constraint, reply_form=reply.echo)
+                      constraint=mode.constraint, reply_form=reply.echo, single_tool_call=mode.single_call)
     except APIError as exc:
         if exc.code != "context_length_exceeded":
             raise
@@ -95,17 +95,16 @@ async def messages_job(state, req, key: str | None) -> tuple[Job, "MessagesReply
 
 class MessagesReply:
     """The Messages answer of one job: its JSON ``body`` or SSE ``events``, and ``echo`` (the
-    reply as the client sends it back, the job's ``reply_form``). ``single_call``: only the first
-    tool call is answered (``disable_parallel_tool_use``)."""
+    reply as the client sends it back, the job's ``reply_form``). With ``disable_parallel_tool_use``
+    the job keeps only the first tool call (``Job.single_tool_call``)."""
 
-    def __init__(self, single_call: bool):
-        self.single_call = single_call
+    @staticmethod
+    def echo(reply: dict) -> dict:
+        return C.echoed_reply(reply)
 
-    def echo(self, reply: dict) -> dict:
-        return C.echoed_reply(reply, self.single_call)
-
-    def blocks(self, sample) -> list[dict]:
-        return C.reply_blocks(sample.message(), self.single_call)
+    @staticmethod
+    def blocks(sample) -> list[dict]:
+        return C.reply_blocks(sample.message())
 
     @staticmethod
     def usage(generation) -> dict:

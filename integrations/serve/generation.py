@@ -56,6 +56,7 @@ class Sample:
             tools = list(job.constraint.tools)
         self.tools = (ToolCallStream([t["function"]["name"] for t in tools or []], complete_only=forced)
                       if job.parse_tools else None)
+        self.single_tool_call = job.single_tool_call
         self.tokens: list[int] = []
         self.logprobs: list | None = [] if job.request.params.logprobs is not None else None
         self.logprobs_sent = 0
@@ -76,7 +77,8 @@ class Sample:
             out += parsed.content or ""
             self.content += parsed.content or ""
             if parsed.tool_calls:
-                self.tool_calls = tool_call_objects(parsed.tool_calls)
+                calls = parsed.tool_calls[:1] if self.single_tool_call else parsed.tool_calls
+                self.tool_calls = tool_call_objects(calls)
                 reason = "tool_calls"
         self.finish = reason
         return out, self.tool_calls, reason

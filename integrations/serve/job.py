@@ -63,7 +63,10 @@ class Job:
     the reply's history form is precomputed and the next turn's hit checked against it (False when
     the next turn continues the job's own tokens, as a stored Responses turn does). ``arrival``
     starts the TTFT clock. ``constraint``: what the output must satisfy (compiled into the
-    request's grammar by ``constrain`` before it is submitted).
+    request's grammar by ``constrain`` before it is submitted). ``single_tool_call``: the client
+    asked for one call at most (``parallel_tool_calls: false``, ``disable_parallel_tool_use``):
+    a reply's first call is kept, any after it dropped (a grammar also stops them when the call
+    is forced).
     """
 
     protocol: str
@@ -78,6 +81,7 @@ class Job:
     reply_form: Callable[[dict], dict] | None = None
     history_form: bool = True
     constraint: OutputConstraint | None = None
+    single_tool_call: bool = False
     arrival: float = field(default_factory=time.perf_counter)
 
     @property
@@ -123,14 +127,15 @@ def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api
             keep_s: float | None = None, conversation: Conversation | None = None,
             parse_tools: bool = False, clamp_max_tokens: bool = False,
             constraint: OutputConstraint | None = None, logprobs: int | None = None,
-            reply_form: Callable[[dict], dict] | None = None) -> Job:
+            reply_form: Callable[[dict], dict] | None = None, single_tool_call: bool = False) -> Job:
     """The ``Job`` for a prompt and its settings (see the module docstring); raises ``APIError`` 400
     naming what cannot be served (the response id is ``id_prefix-<hex>``). ``max_tokens`` is capped
     by ``--max-output-tokens``; over what the context leaves it is a 400, or, with
     ``clamp_max_tokens`` (protocols whose cap is only a ceiling), lowered to it. ``constraint`` is
     what the output must satisfy (``constraints.py``; ``respond`` compiles it before the engine
     sees the request); a "tool_calls" constraint parses tool calls. ``logprobs``: every token's
-    logprob and that many alternatives (None: none); ``reply_form`` see ``Job``."""
+    logprob and that many alternatives (None: none); ``reply_form`` and ``single_tool_call`` see
+    ``Job``."""
     limits = state.limits
     prompt_ids = tuple(prompt_ids)
     try:
@@ -152,7 +157,7 @@ def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api
         raise bad_request(str(exc)) from None
     parse_tools = parse_tools or (constraint is not None and constraint.kind == "tool_calls")
     return Job(protocol, model, request, n, tuple(stop), stream, include_usage, conversation, parse_tools,
-               reply_form=reply_form, constraint=constraint)
+               reply_form=reply_form, constraint=constraint, single_tool_call=single_tool_call)
 
 
 async def constrain(state, job: Job) -> Job:

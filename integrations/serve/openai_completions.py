@@ -33,7 +33,8 @@ async def chat_job(state, req, key: str | None) -> Job:
                                 [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
     prompt = await render_conversation(state, conversation, key)
     return new_job(state, "chat", model, prompt.token_ids, id_prefix="chatcmpl", conversation=conversation,
-                   parse_tools=req.parses_tool_calls, constraint=req.output_constraint(), **_settings(req, key))
+                   parse_tools=req.parses_tool_calls, constraint=req.output_constraint(),
+                   single_tool_call=req.parallel_tool_calls is False, **_settings(req, key))
 
 
 async def completion_job(state, req, key: str | None) -> Job:

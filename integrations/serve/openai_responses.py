@@ -149,7 +149,8 @@ async def responses_job(state, req, key: str | None):
                       temperature=1.0 if req.temperature is None else req.temperature,
                       top_p=1.0 if req.top_p is None else req.top_p, stream=req.stream, keep_s=req.keep_s,
                       conversation=conversation, parse_tools=bool(tools) and req.tool_choice != "none",
-                      clamp_max_tokens=True, constraint=_constraint(req, tools))
+                      clamp_max_tokens=True, constraint=_constraint(req, tools),
+                      single_tool_call=not req.parallel_tool_calls)
     except APIError as exc:
         if exc.param in ("messages", "prompt"):  # chat's names for what this protocol calls input
             exc.param = "input"
