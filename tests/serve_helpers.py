@@ -282,10 +282,13 @@ class Served:
         return httpx.get(self.base_url + "/metrics", timeout=30).text
 
     def quiet(self, timeout_s: float = 60.0) -> None:
-        """Wait until the engine holds nothing: no open request, no work, no live lease (a history
-        precompute is submitted from a background task just after a reply ends)."""
+        """Wait until the server and the engine hold nothing: no response still being written (its
+        admission slot), no history work still rendering or submitting, no open request, no work,
+        no live lease. A history precompute is submitted from a background task that a reply
+        starts after its last chunk went out, so the client can have its answer before it exists."""
         deadline = time.monotonic() + timeout_s
-        while self.engine.open_requests or self.engine.engine.has_work or self.lm.stats()["running"]:
+        while (self.state.gate.in_flight or len(self.state.pending_histories) or self.engine.open_requests
+               or self.engine.engine.has_work or self.lm.stats()["running"]):
             assert time.monotonic() < deadline, "the engine did not become idle"
             time.sleep(0.01)
 
