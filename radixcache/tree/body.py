@@ -5,7 +5,8 @@ the namespace roots, the in-tree marks (one byte per pool block: 1 where the tre
 reference), the cached, pinned and partial-tail block counts, and ``events``: None, or the
 ``radixcache.kv_events.BlockEventLog`` told of every whole block that enters (``add_child`` and
 ``extend``, the only ways one does) or leaves (``radixcache.tree.eviction.evict_lru``, the only way one
-does) the tree. A node's partial tail is kept and dropped by ``radixcache.tree.tails``.
+does) the tree. A node's partial tail is kept by ``radixcache.tree.tails`` and dropped by
+``drop_tail``.
 
 Invariants every method keeps (``RadixCache.check`` asserts them):
 
@@ -38,7 +39,6 @@ import numpy as np
 from radixcache.blocks import VECTOR_MIN, BlockAllocator
 from radixcache.tree.nodes import NodeTable
 from radixcache.tree.recency import Recency
-from radixcache.tree.tails import drop_tail
 from radixcache.tokens import common_blocks, common_tokens
 
 TAIL_SCAN = 32  # children scanned for a partially matching first block (more: only the tail is tried)
@@ -213,7 +213,7 @@ class TreeBody:
         nodes = self.nodes
         old = nodes.tail[node]
         if old >= 0 and key.startswith(nodes.keys[old]):
-            drop_tail(self, node)
+            self.drop_tail(node)
         self.recency.discard(node)
         child = nodes.new(node, key, blocks.tobytes(), 0)
         if nodes.kids[node] is None:
@@ -225,6 +225,19 @@ class TreeBody:
         if self.events is not None:
             self.events.stored(self, node, child)
         return child
+
+    def drop_tail(self, node: int) -> None:
+        """Release ``node``'s tail (the caller re-files ``node`` for eviction if needed)."""
+        nodes = self.nodes
+        tail = nodes.tail[node]
+        self.recency.discard(tail)
+        nodes.tail[node] = -1
+        block = array("I", nodes.blocks[tail])
+        self.allocator.release(block)
+        self.in_tree[block[0]] = 0
+        self.cached -= 1
+        self.tails -= 1
+        nodes.free(tail)
 
     def depth(self, i: int) -> int:
         """Bytes of tokens from the namespace root to the end of node ``i``."""
@@ -251,7 +264,7 @@ class TreeBody:
         ``can_extend``; a tail the new tokens cover is dropped. The node is pinned: so are they."""
         nodes = self.nodes
         if nodes.tail[i] >= 0:
-            drop_tail(self, i)
+            self.drop_tail(i)
         before, added = nodes.blocks[i], blocks.tobytes()
         nodes.keys[i] += key
         nodes.blocks[i] = before + added

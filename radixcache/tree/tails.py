@@ -1,7 +1,8 @@
 """Partial tails: a node's one block of fewer than ``block_size`` tokens, kept and dropped.
 
 ``keep_tail`` files a block as a node's tail (the end of a finished sequence, reused copy-on-write
-by the next match); ``drop_tail`` releases one (replaced, covered by a new child or extension).
+by the next match), replacing the one there through ``TreeBody.drop_tail`` (which the body's own
+structural changes also call when a new child or extension covers a tail).
 Eviction (``radixcache.tree.eviction``) removes tails like any leaf. Both functions keep the
 invariants ``radixcache.tree.body`` lists: the tree's reference, ``in_tree`` mark and the
 ``cached`` / ``tails`` counts move with the tail, and a tail is never covered by a child.
@@ -10,10 +11,7 @@ invariants ``radixcache.tree.body`` lists: the tree's reference, ``in_tree`` mar
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from radixcache.tree.body import TreeBody
+from radixcache.tree.body import TreeBody
 
 
 def keep_tail(body: TreeBody, node: int, rest: bytes, block: array) -> int:
@@ -31,7 +29,7 @@ def keep_tail(body: TreeBody, node: int, rest: bytes, block: array) -> int:
     if kids is not None and any(nodes.keys[c].startswith(rest) for c in kids.values()):
         return -1
     if old >= 0:
-        drop_tail(body, node)
+        body.drop_tail(node)
     body.recency.discard(node)
     tail = nodes.tail[node] = nodes.new(node, rest, block.tobytes(), nodes.access[node])
     body.allocator.retain_checked(block)
@@ -39,17 +37,3 @@ def keep_tail(body: TreeBody, node: int, rest: bytes, block: array) -> int:
     body.cached += 1
     body.tails += 1
     return tail
-
-
-def drop_tail(body: TreeBody, node: int) -> None:
-    """Release ``node``'s tail (the caller re-files ``node`` for eviction if needed)."""
-    nodes = body.nodes
-    tail = nodes.tail[node]
-    body.recency.discard(tail)
-    nodes.tail[node] = -1
-    block = array("I", nodes.blocks[tail])
-    body.allocator.release(block)
-    body.in_tree[block[0]] = 0
-    body.cached -= 1
-    body.tails -= 1
-    nodes.free(tail)
