@@ -253,6 +253,15 @@ class Served:
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key=kwargs.pop("api_key", "none"),
                              max_retries=0, timeout=kwargs.pop("timeout", 120), **kwargs)
 
+    def anthropic(self, **kwargs):
+        """An ``anthropic.Anthropic`` client of this server (no retries; ``api_key`` "none" unless
+        given, or an ``auth_token`` is)."""
+        import anthropic
+
+        if "auth_token" not in kwargs:
+            kwargs.setdefault("api_key", "none")
+        return anthropic.Anthropic(base_url=self.base_url, max_retries=0, timeout=kwargs.pop("timeout", 120), **kwargs)
+
     def render(self, messages, tools=None) -> tuple:
         """The prompt ids the server makes of ``messages`` (its own renderer)."""
         return self.state.renderer.render(messages, tools).token_ids
@@ -301,6 +310,13 @@ class Served:
     def stop(self) -> None:
         self.live.stop()
         self.assert_clean()
+
+
+def keyed_served(tmp_path_factory, *keys: str) -> Served:
+    """A ``Served`` of a tiny model (2,048 positions) that requires one of ``keys``."""
+    directory = tmp_path_factory.mktemp("keyed") / "tiny-smol"
+    write_model_dir(directory, max_positions=2048, weights=True)
+    return Served(directory, api_keys=keys)
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -18,7 +18,7 @@ import pytest
 from radixcache.integrations.serve import anthropic_messages
 from radixcache.integrations.serve.history import history_tokens
 from radixcache.integrations.serve.token_log import read_token_log
-from serve_helpers import TOOLS_TEMPLATE, Served, write_model_dir
+from serve_helpers import TOOLS_TEMPLATE, Served, keyed_served, write_model_dir
 
 BS = 16
 MODEL = "tiny-smol"
@@ -48,16 +48,13 @@ def served(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("keyed") / MODEL
-    write_model_dir(directory, max_positions=2048, weights=True)
-    server = Served(directory, api_keys=("secret",))
+    server = keyed_served(tmp_path_factory, "secret")
     yield server
     server.stop()
 
 
 def client(served, **kwargs) -> anthropic.Anthropic:
-    kwargs.setdefault("api_key", "none")
-    return anthropic.Anthropic(base_url=served.base_url, max_retries=0, timeout=120, **kwargs)
+    return served.anthropic(**kwargs)
 
 
 def last_prompt(served) -> list:

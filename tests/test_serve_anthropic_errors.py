@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import pytest
 
-from serve_helpers import Served, write_model_dir
+from serve_helpers import keyed_served
 
 MODEL = "tiny-smol"
 GREEDY = {"temperature": 0}
@@ -25,9 +25,7 @@ TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Berlin"}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("keyed") / MODEL
-    write_model_dir(directory, max_positions=2048, weights=True)
-    server = Served(directory, api_keys=("secret",))
+    server = keyed_served(tmp_path_factory, "secret")
     yield server
     server.stop()
 
@@ -35,7 +33,7 @@ def served(tmp_path_factory):
 def client(served, **kwargs) -> anthropic.Anthropic:
     if "auth_token" not in kwargs:
         kwargs.setdefault("api_key", "secret")
-    return anthropic.Anthropic(base_url=served.base_url, max_retries=0, timeout=120, **kwargs)
+    return served.anthropic(**kwargs)
 
 
 def create(c, **kwargs):
