@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import jinja2
 from jinja2 import meta
 
+from radixcache.integrations.serve.prefix_tokens import PrefixTokenizer, cutting_specials
 from radixcache.integrations.serve.tool_calls import CLOSE, OPEN, format_tool_call
 
 TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query. "
@@ -88,6 +89,8 @@ class ChatRenderer:
         self.splitting_specials = _splitting_specials(tokenizer)
         self.thinking_switch = _reads_variable(self.template, "enable_thinking")
         self.template_args: dict = {}
+        self.prefix_tokens = PrefixTokenizer(self._encode, cutting_specials(tokenizer, self.splitting_specials))
+        self._check_prefix_tokens()
 
     def with_args(self, args) -> "ChatRenderer":
         """This renderer with the extra template variables ``args`` (a dict or pairs) on every render
@@ -123,8 +126,23 @@ class ChatRenderer:
         return text
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of rendered text (no special tokens added: the template wrote them)."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Token ids of rendered text (no special tokens added: the template wrote them), the same as
+        tokenizing it whole; a text that starts with an earlier one is tokenized from where they
+        part (``prefix_tokens.PrefixTokenizer``)."""
+        return self.prefix_tokens.tokenize(text)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _check_prefix_tokens(self) -> None:
+        """Tokenize a sample chat whole and from each cut; any difference disables the prefixes."""
+        sample = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                  {"role": "assistant", "content": " Hello!\n"}, {"role": "user", "content": "2+2?"}]
+        try:
+            text = ChatRenderer.render_text(self, sample)  # not a subclass hook: not built yet
+        except RenderError:
+            text = "".join(f"{s} x {s}\n y" for s in self.prefix_tokens.specials)
+        self.prefix_tokens.check(text)
 
     def template_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[dict]:
         """The message dicts the template sees (see the module docstring for the conversions)."""
