@@ -1,7 +1,8 @@
 """The history work after a reply is off the critical path: the final chunk (and the JSON body) goes
 out before the history form is rendered, history work waits behind incoming prompts on the render
 thread, it renders the conversation at most twice, and a client that comes back before it is done
-waits for its render but never for its compute."""
+waits for its render but never for its compute. The first token goes out before the hit is checked
+against the previous turn."""
 
 import asyncio
 import threading
@@ -209,3 +210,30 @@ def test_finding_the_previous_turn_among_many_sessions_walks_the_prompt_once(mon
     monkeypatch.setattr(module, "common_prefix", lambda a, b: calls.append(1) or real(a, b))
     assert index.previous(system + (7, 8) * 50 + (1, 2, 3)) == system + (7, 8) * 50
     assert len(calls) <= 3
+
+
+def test_the_first_token_goes_out_before_the_hit_is_checked_against_the_previous_turn(served, monkeypatch):
+    """Looking up the previous turn's history form (and classifying the hit) is bookkeeping: it
+    runs once the first content chunk has gone out. Here the lookup blocks the event loop until the
+    client has read that chunk (before the fix it ran before the request was even submitted)."""
+    import json
+
+    seen, lookups = threading.Event(), []
+    real = served.state.histories.previous
+
+    def previous(*args):
+        lookups.append(seen.wait(20))  # False: the client never saw a token while this waited
+        return real(*args)
+
+    monkeypatch.setattr(served.state.histories, "previous", previous)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Go."}]
+    served.say(messages, REPLY)
+    text = ""
+    body = {"model": "tiny-smol", "messages": messages, "max_tokens": 64, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                text += "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+                if text:
+                    seen.set()
+    assert text == REPLY and lookups == [True]

@@ -50,7 +50,9 @@ def chat_server(request, tmp_path_factory):
 def converse(served, template: str, client, turns: int = len(USERS)) -> list:
     """Run the conversation; per turn ``(prompt ids, cached tokens, ideal)``, where ideal is the
     whole blocks of the previous turn's history form that the prompt repeats. The last turn is
-    the model's own greedy reply, checked against ``model.generate``."""
+    the model's own greedy reply, checked against ``model.generate``. Between turns the client
+    waits until the server is idle, as an agent does while it runs its tool (a client back sooner
+    computes what the precompute had not yet: ``test_serve_history_work``)."""
     messages = [{"role": "system", "content": SYSTEM}]
     previous, seen = None, []
     for turn, user in enumerate(USERS[:turns], 1):
@@ -76,6 +78,7 @@ def converse(served, template: str, client, turns: int = len(USERS)) -> list:
         seen.append((prompt, body.usage.prompt_tokens_details.cached_tokens, ideal))
         messages.append({"role": "assistant", "content": content})
         previous = history_tokens(served.state.renderer, messages)
+        served.quiet()
     return seen
 
 

@@ -6,8 +6,8 @@ per-choice ``Delta``s, which every protocol adapter formats its own way (a JSON 
 stream): text through ``TextAssembler`` (stop strings end a sample: the server aborts just that
 sample), tool calls through ``ToolCallStream`` when the job parses them, and one greedy engine
 sample copied into every choice when the job fans out. Along the way it records TTFT and
-inter-token latency and the admission's cached tokens (and whether the hit stopped short of the
-previous turn's history form). ``close()`` ends the request (aborting it in the engine if it is not
+inter-token latency and the admission's cached tokens, and, once the first delta has gone out,
+whether the hit stopped short of the previous turn's history form (bookkeeping never delays a token). ``close()`` ends the request (aborting it in the engine if it is not
 finished: the client went away) and gives the admission slot back.
 
 After the last delta has gone out, a chat's reply gets its history form: ``history_work.py`` renders
@@ -110,8 +110,6 @@ class Generation:
         self.choices = self.samples * job.choices if job.fanout else self.samples
         self.cached_tokens = 0
         self.first_token_at: float | None = None
-        self.previous = (state.histories.previous(job.prompt_ids, job.salt)
-                         if job.conversation and job.history_form else None)
         self._stream = None
 
     @property
@@ -132,41 +130,46 @@ class Generation:
         (503; when the server is shutting down its message says so)."""
         admitted = False
         async for event in self._stream:
-            if not admitted:
+            first = not admitted
+            if first:  # the usage needs it now; the hit's metrics wait until the first delta went out
                 admitted = True
-                self._admitted(event.cached_tokens)
-            sample = self.samples[event.sample]
-            if sample.finish is not None:
-                continue
-            text = ""
-            if event.token is not None:
-                self._timed(sample)
-                sample.tokens.append(event.token)
-                if sample.logprobs is not None and event.logprobs is not None:
-                    sample.logprobs.append((event.token, event.logprobs))
-                text = sample.feed(sample.text.push(event.token))
-            reason = event.finish_reason
-            if sample.text.stopped:  # a stop string: this sample is done, whatever the engine says
+                self.cached_tokens = event.cached_tokens
+            try:
+                sample = self.samples[event.sample]
+                if sample.finish is not None:
+                    continue
+                text = ""
+                if event.token is not None:
+                    self._timed(sample)
+                    sample.tokens.append(event.token)
+                    if sample.logprobs is not None and event.logprobs is not None:
+                        sample.logprobs.append((event.token, event.logprobs))
+                    text = sample.feed(sample.text.push(event.token))
+                reason = event.finish_reason
+                if sample.text.stopped:  # a stop string: this sample is done, whatever the engine says
+                    if reason is None:
+                        self.state.engine.abort(self.request_id, event.sample)
+                    reason = "stop"
+                if reason == "error":
+                    raise internal(f"generation failed: {event.error or 'engine error'}")
+                if reason == "abort":
+                    raise self._aborted()
+                indices = range(self.job.choices) if self.job.fanout else (event.sample,)
                 if reason is None:
-                    self.state.engine.abort(self.request_id, event.sample)
-                reason = "stop"
-            if reason == "error":
-                raise internal(f"generation failed: {event.error or 'engine error'}")
-            if reason == "abort":
-                raise self._aborted()
-            indices = range(self.job.choices) if self.job.fanout else (event.sample,)
-            if reason is None:
-                if text:
-                    entries = sample.unsent_logprobs()
-                    for i in indices:
-                        yield Delta(i, text, None, None, entries)
-                continue
-            more, calls, reason = sample.end(reason)
-            entries = sample.unsent_logprobs()
-            for i in indices:
-                yield Delta(i, text + more, calls, reason, entries)
-            if self.finished:  # after the last delta went out: the next turn's work, in the background
-                self._finished()
+                    if text:
+                        entries = sample.unsent_logprobs()
+                        for i in indices:
+                            yield Delta(i, text, None, None, entries)
+                    continue
+                more, calls, reason = sample.end(reason)
+                entries = sample.unsent_logprobs()
+                for i in indices:
+                    yield Delta(i, text + more, calls, reason, entries)
+                if self.finished:  # after the last delta went out: the next turn's work, in the background
+                    self._finished()
+            finally:
+                if first:
+                    self._admitted(event.cached_tokens)
         if not self.finished:
             raise internal("the engine ended the stream before every choice finished")
 
@@ -210,16 +213,20 @@ class Generation:
         sample.last_token_at = t
 
     def _admitted(self, cached_tokens: int) -> None:
-        self.cached_tokens = cached_tokens
-        self.state.metrics.observe_admitted(len(self.job.prompt_ids), cached_tokens)
-        if self.previous is None:
+        """The admission's metrics, and whether its hit stopped short of the previous turn's history
+        form (looked up now, off the first token's way out)."""
+        job = self.job
+        self.state.metrics.observe_admitted(len(job.prompt_ids), cached_tokens)
+        if not job.conversation or not job.history_form:
             return
-        earlier = self.state.histories.source(self.previous, self.job.salt)
-        if earlier is not None and not continues(self.job.conversation, earlier):
+        previous = self.state.histories.previous(job.prompt_ids, job.salt)
+        if previous is None:
+            return
+        earlier = self.state.histories.source(previous, job.salt)
+        if earlier is not None and not continues(job.conversation, earlier):
             return  # another conversation that only shares a preamble: nothing to expect of it
-        computed = self.state.histories.computed(self.previous, self.job.salt)
-        short = classify_hit(self.previous, self.job.prompt_ids, cached_tokens, self.state.limits.block_size,
-                             computed)
+        computed = self.state.histories.computed(previous, job.salt)
+        short = classify_hit(previous, job.prompt_ids, cached_tokens, self.state.limits.block_size, computed)
         if short is not None:
             self.state.metrics.observe_short_hit(short.reason, short.expected_tokens - short.cached_tokens)
             logger.info("request %s: cache hit of %d tokens stopped short of the previous turn's %d (%s)",
