@@ -63,6 +63,31 @@ class HeldHistoryWork:
         self.gate.set()
 
 
+class HeldSteps:
+    """From now on the engine takes no step until a request that is not a history prefill has been
+    added to it: the next turn then always finds the precompute not yet started (without this,
+    whether the engine steps between the two submissions is a race)."""
+
+    def __init__(self, served, monkeypatch):
+        self.added = threading.Event()
+        engine, real_add, real_step = served.engine.engine, served.engine.engine.add, served.engine.engine.step
+
+        def add(request):
+            real_add(request)
+            if not str(request.request_id).startswith("history"):
+                self.added.set()
+
+        def step():
+            self.added.wait(30)
+            return real_step()
+
+        monkeypatch.setattr(engine, "add", add)
+        monkeypatch.setattr(engine, "step", step)
+
+    def wait(self, timeout: float) -> bool:
+        return self.added.wait(timeout)
+
+
 @pytest.fixture
 def served(tmp_path, request):
     template = getattr(request, "param", None)
@@ -138,8 +163,10 @@ def test_a_client_back_before_the_history_work_waits_for_its_render_not_its_comp
         served.model.script = {}
         ask(served, other, stream=False)  # not its conversation: it does not wait for the gate
         assert "out" not in result  # the next turn waits for its conversation's history work
+        next_turn_added = HeldSteps(served, monkeypatch)  # the precompute must not start before it
     finally:
         gated.open()
+    assert next_turn_added.wait(30)
     thread.join(60)
     _, cached = result["out"]
     history = history_tokens(served.state.renderer, messages + [{"role": "assistant", "content": reply}])
