@@ -31,7 +31,7 @@ lockstep; the floor holds the very K/V the engine computed (read back from the p
 the engine's first tokens, so both sides decode the same continuation. The floor concatenates the
 whole cache every step; the engine gathers it from its blocks: the same copy. Target: the median
 engine step <= 1.10x the mean of the floor's medians measured before and after it, the median of
-3 such rounds (``batch_systems.run_decode_floor``).
+3 such rounds (``decode_floor.run_decode_floor``).
 
 Ideal peak KV blocks: the system prompt's whole blocks once, each prompt's own blocks once, and
 per sample its tail (see ``ideal_blocks``); target: peak within 10% of that. Scheduler check: K
@@ -54,7 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import batch_systems as systems  # noqa: E402
+from benchmarks import batch_systems as systems, decode_floor  # noqa: E402
 from benchmarks.measure import default_threads, shared_prefix_prompts  # noqa: E402
 from benchmarks.report import fmt, median, met, model_label, percentile, table  # noqa: E402
 
@@ -193,8 +193,8 @@ def run(cfg: dict, load=None, seed: int = 0, log=lambda msg: None) -> dict:
     decode = []
     for sequences, context in cfg["decode_floor"]:
         log(f"decode floor, {sequences} x {context} ...")
-        row = systems.run_decode_floor(systems.tiny_llama(seed), sequences, context,
-                                       cfg["decode_floor_steps"], seed, cfg["decode_floor_rounds"])
+        row = decode_floor.run_decode_floor(decode_floor.tiny_llama(seed), sequences, context,
+                                            cfg["decode_floor_steps"], seed, cfg["decode_floor_rounds"])
         decode.append(dict(row, target=DECODE_FLOOR_TARGET))
     return dict(model=model_label(model), device=str(model.device), modes=modes, floor=floor,
                 schedulers=sched, decode_floor=decode, capacity_tokens=cap,
