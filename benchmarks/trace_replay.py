@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from array import array
@@ -52,8 +51,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import fmt, table  # noqa: E402
-from benchmarks.trace_timings import Timings, pool_blocks  # noqa: E402
+from benchmarks.trace_replay_report import render, render_kv_events  # noqa: E402
+from benchmarks.trace_timings import Timings, pool_blocks, rss_bytes, tree_bytes  # noqa: E402
 from benchmarks.traces import (  # noqa: E402
     AGENT_PARAMS, QUICK_AGENT_PARAMS, Trace, agent_trace, describe, load_mooncake,
 )
@@ -63,32 +62,6 @@ from radixcache.kv_events import BlockEventLog, KVEventPublisher  # noqa: E402
 
 MEMORY_STEP = 250_000            # blocks between resident-memory samples
 QUICK_REQUESTS = 300             # requests of each --trace replayed with --quick
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
-
-
-def tree_bytes(tree: RadixCache) -> int:
-    """Bytes the tree's own structures hold, counted object by object (``sys.getsizeof``): the
-    node columns, every node's tokens, block ids and child table, the recency tiers, and the
-    in-tree marks (one byte per pool block). Ints shared with other structures count once."""
-    nodes, recency = tree.node_table, tree.recency
-    total = sum(sys.getsizeof(col) for col in (nodes.parent, nodes.lock_ref, nodes.own_locks, nodes.access,
-                                               nodes.until, nodes.gen, nodes.free_ids, nodes.keys,
-                                               nodes.blocks, nodes.kids))
-    total += sum(sys.getsizeof(k) for k in nodes.keys if k is not None)
-    total += sum(sys.getsizeof(b) for b in nodes.blocks)
-    total += sum(sys.getsizeof(d) for d in nodes.kids if d is not None)
-    for tier in (recency.lru, recency.kept, recency.expiry):
-        total += sum(sys.getsizeof(x) + 8 for x in tier)  # each entry and its list slot
-    total += sys.getsizeof(recency.where) + sys.getsizeof(recency.deadlines)
-    return total + tree.allocator.num_blocks
-
-
 def completion_s(trace: Trace, decode_rate: float) -> np.ndarray:
     """When each request finishes: its arrival plus its output decoded at ``decode_rate``."""
     return trace.arrival_s + trace.output_len / decode_rate
@@ -250,40 +223,6 @@ def run_trace(trace: Trace, args, log) -> dict:
             "working_set_blocks": working_set, "rows": rows, "manager_rows": managed}
 
 
-def render(result: dict, clock: str) -> str:
-    """The tables for one trace: hit rates and timings (on ``clock``) per capacity and policy, then
-    memory."""
-    header = ("capacity", "blocks", "policy", "gc", "ideal hit", "hit", "match p50/p99 us/1k",
-              "insert p50/p99 us/1k", "worst call")
-    lines = []
-    for r in result["rows"]:
-        if r["kv_events"] != "off":
-            continue  # beside its events-off twin in render_kv_events
-        t = r["timings"][clock]
-        w = t["worst"]
-        lines.append((f"{r['capacity_pct']}%", f"{r['capacity_blocks']:,}", r["policy"], r["gc"],
-                      f"{r['ideal_hit_rate']:.4f}", f"{r['hit_rate']:.4f}",
-                      f"{fmt(t['match']['p50_us'], '.1f')} / {fmt(t['match']['p99_us'], '.1f')}",
-                      f"{fmt(t['insert']['p50_us'], '.1f')} / {fmt(t['insert']['p99_us'], '.1f')}",
-                      f"{w['ms']:.2f} ms {w['op']} ({w['tokens']:,} tok)"))
-    out = [table(header, lines, left=(0, 2, 3, 8))]
-    by = {(r["capacity_pct"], r["policy"], r["gc"]): r["hit_rate"] for r in result["rows"]}
-    gains = [f"{pct}%: {by[pct, 'retention', 'on'] - by[pct, 'lru', 'on']:+.4f}"
-             for pct in sorted({k[0] for k in by}) if (pct, "retention", "on") in by]
-    if gains:
-        out.append("retention - lru hit rate: " + ", ".join(gains))
-    from benchmarks.trace_manager import render_manager
-
-    out.extend(render_manager(result, clock))
-    mem = [m for r in result["rows"] for m in r["memory"]]
-    if mem:
-        out.append("")
-        out.append(table(("cached blocks", "RSS growth", "RSS B/block", "tree structures", "B/block"),
-                         [(f"{b:,}", f"{d / 2**20:.1f} MiB", f"{d / b:.1f}", f"{t / 2**20:.1f} MiB",
-                           f"{t / b:.1f}") for b, d, t in mem if b], left=()))
-    return "\n".join(out)
-
-
 def paired_cost(off: Timings, on: Timings) -> dict:
     """Per clock: the median over match and insert calls of (the call with events / the same call
     without) - 1, in percent. The replays make the same calls in the same order, so each pair did
@@ -298,37 +237,6 @@ def paired_cost(off: Timings, on: Timings) -> dict:
         keep = a > 0
         out[clock] = float(100 * (np.median(b[keep] / a[keep]) - 1)) if keep.any() else None
     return out
-
-
-def render_kv_events(result: dict, clock: str) -> str:
-    """KV events off, logged and on side by side per row: the tree's match + insert time (p50 per
-    1k tokens, and in all), and the publisher thread's CPU time. Empty without ``--kv-events``."""
-    rows = {(r["capacity_pct"], r["policy"], r["gc"], r["kv_events"]): r for r in result["rows"]}
-    lines = []
-    for (pct, policy, gc_on, events), r in rows.items():
-        if events != "on":
-            continue
-        off, log = (rows[pct, policy, gc_on, e]["timings"][clock] for e in ("off", "log"))
-        on, pub = r["timings"][clock], r["publisher"]
-        base = off["match_insert_s"]
-        lines.append((f"{pct}%", policy, gc_on,
-                      " / ".join(fmt(t["match"]["p50_us"], ".1f") for t in (off, log, on)),
-                      " / ".join(fmt(t["insert"]["p50_us"], ".1f") for t in (off, log, on)),
-                      " / ".join(f"{t['match_insert_s']:.3f}" for t in (off, log, on)),
-                      f"{rows[pct, policy, gc_on, 'log']['paired_cost_pct'][clock]:+.1f}%",
-                      f"{r['paired_cost_pct'][clock]:+.1f}%",
-                      f"{pub['kv_events_thread_cpu_s']:.2f} ({100 * pub['kv_events_thread_cpu_s'] / base:.0f}%)",
-                      f"{pub['kv_events_batches']:,}", f"{pub['kv_events_dropped']:,}"))
-    if not lines:
-        return ""
-    header = ("capacity", "policy", "gc", "match p50 us/1k off/log/on",
-              "insert p50 us/1k off/log/on", "match+insert s off/log/on", "log cost*", "on cost*",
-              "publisher CPU s (of off)", "batches", "dropped")
-    return ("KV events: off, log (the tree's thread records its changes), on (and the publisher's "
-            "thread hashes, encodes and sends beside it):\n" + table(header, lines, left=(0, 1, 2))
-            + "\n* the median over match and insert calls of the same call's time with events / "
-              "without, minus 1; publisher CPU: its thread's CPU time, and its share of the "
-              "events-off match + insert time")
 
 
 def main(argv=None) -> int:

@@ -1,14 +1,41 @@
 """What the trace replays time and size: ``Timings`` (every timed call), ``pool_blocks`` (the pool a
-replay needs) and ``OPS`` (the operations, by code), shared by ``trace_replay.py`` (the bare tree)
-and ``trace_manager.py`` (the same replay through ``CacheManager``)."""
+replay needs), ``OPS`` (the operations, by code), ``rss_bytes`` and ``tree_bytes`` (memory),
+shared by ``trace_replay.py`` (the bare tree) and ``trace_manager.py`` (the same replay through
+``CacheManager``)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from array import array
 
 import numpy as np
 
 OPS = ("match", "insert", "evict", "lock", "unlock", "keep")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def tree_bytes(tree) -> int:
+    """Bytes a ``RadixCache``'s own structures hold, counted object by object (``sys.getsizeof``): the
+    node columns, every node's tokens, block ids and child table, the recency tiers, and the
+    in-tree marks (one byte per pool block). Ints shared with other structures count once."""
+    nodes, recency = tree.node_table, tree.recency
+    total = sum(sys.getsizeof(col) for col in (nodes.parent, nodes.lock_ref, nodes.own_locks, nodes.access,
+                                               nodes.until, nodes.gen, nodes.free_ids, nodes.keys,
+                                               nodes.blocks, nodes.kids))
+    total += sum(sys.getsizeof(k) for k in nodes.keys if k is not None)
+    total += sum(sys.getsizeof(b) for b in nodes.blocks)
+    total += sum(sys.getsizeof(d) for d in nodes.kids if d is not None)
+    for tier in (recency.lru, recency.kept, recency.expiry):
+        total += sum(sys.getsizeof(x) + 8 for x in tier)  # each entry and its list slot
+    total += sys.getsizeof(recency.where) + sys.getsizeof(recency.deadlines)
+    return total + tree.allocator.num_blocks
 
 
 def pool_blocks(trace, bs: int, order, capacity: int) -> int:
