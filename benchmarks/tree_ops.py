@@ -13,12 +13,9 @@ size (1 and 16):
             leaves and 200 more calls are timed. Each call must drop exactly ``512 // bs`` blocks and
             free that many in the allocator, or the run fails.
 
-The baseline is the vLLM approach to prefix caching: a dict from block digest to block id over full
-blocks only, where ``digest_i = H(digest_{i-1} || tokens of block i as uint32 bytes)``; insert hashes
-every full block and adds the missing ones, match hashes until the first missing digest. It is timed
-with ``hashlib.sha256`` and with ``xxhash.xxh3_128`` on the same sequences and block ids. The
-baseline does no reference counting, no LRU bookkeeping and no validation, so it is a lower bound on
-what a hash-chain index costs.
+The baseline is the vLLM approach to prefix caching, a hash chain over full blocks
+(``benchmarks/hash_chain.py``), timed with ``hashlib.sha256`` and with ``xxhash.xxh3_128`` on the same
+sequences and block ids: a lower bound on what a hash-chain index costs.
 
 The allocator is sized to what the tree can hold at its largest plus one in-flight sequence, not to
 ``512 // bs`` blocks x every sequence (5.12M ids at bs=1): the caller's duplicate blocks are freed
@@ -35,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import platform
@@ -43,14 +39,13 @@ import random
 import statistics
 import sys
 import time
-from array import array
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.hash_chain import HASHES, HashChainIndex  # noqa: E402
 from benchmarks.report import fmt, table  # noqa: E402
 
 from radixcache import BlockAllocator, RadixCache  # noqa: E402
@@ -92,58 +87,6 @@ class Workload:
         which = self._np.integers(0, NUM_PROMPTS, size=n)
         suffixes = self._np.integers(0, VOCAB, size=(n, SUFFIX_LEN), dtype=np.int64)
         return np.concatenate([self.prompts[which], suffixes], axis=1).tolist()
-
-
-# --------------------------------------------------------------------------- baseline
-def _sha256_digest(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
-
-
-HASHES = {"sha256": (_sha256_digest, 32), "xxh3": (xxhash.xxh3_128_digest, 16)}
-
-
-class HashChainIndex:
-    """vLLM-style prefix index: full blocks keyed by a digest chained over the parent's digest.
-
-    ``table`` maps ``H(parent_digest || block tokens as uint32 bytes)`` to the block id that holds
-    that block's KV. No reference counts, no eviction: only the lookup structure is measured.
-    """
-
-    def __init__(self, block_size: int, digest, digest_size: int):
-        self.block_size = block_size
-        self.digest = digest
-        self.root = bytes(digest_size)
-        self.table: dict[bytes, int] = {}
-
-    def insert(self, tokens, blocks) -> int:
-        """Add every missing full block of ``tokens``; return how many leading tokens were indexed."""
-        data = array("I", tokens).tobytes()
-        step = 4 * self.block_size
-        h, table, parent = self.digest, self.table, self.root
-        cached = -1
-        for i in range(len(tokens) // self.block_size):
-            parent = h(parent + data[i * step:(i + 1) * step])
-            if parent not in table:
-                table[parent] = blocks[i]
-                if cached < 0:
-                    cached = i
-        if cached < 0:
-            cached = len(tokens) // self.block_size
-        return cached * self.block_size
-
-    def match(self, tokens) -> tuple[int, list[int]]:
-        """Longest indexed prefix of full blocks: (tokens matched, block ids)."""
-        data = array("I", tokens).tobytes()
-        step = 4 * self.block_size
-        h, table, parent = self.digest, self.table, self.root
-        blocks = []
-        for i in range(len(tokens) // self.block_size):
-            parent = h(parent + data[i * step:(i + 1) * step])
-            block = table.get(parent)
-            if block is None:
-                break
-            blocks.append(block)
-        return len(blocks) * self.block_size, blocks
 
 
 # --------------------------------------------------------------------------- timing helpers
