@@ -7,52 +7,15 @@ runs the same model object, so all at that one dtype, printed in the header), gr
 exactly ``new_tokens`` generated per call (the model's EOS is disabled for the run so every system
 generates the same number of tokens).
 
-Workload (token-id level; random but fixed-seed token ids, drawn from the vocabulary minus the
-tokenizer's special ids, so no text is tokenized): a 1,500-token system prompt; every turn appends a
-fresh 60-token "user text" to the history and generates 16 tokens; the next prompt is the previous
-prompt + the generated tokens + the next user text. Three variants:
+Workload (``agent_loop_workload.py``): a 1,500-token system prompt, 60-token user texts, 16 new
+tokens per turn, in three variants (linear, branching, interleaved).
 
-linear       one conversation of 8 turns.
-branching    8 turns; each turn is tried twice from the same history with two different user texts
-             (both generated, one after the other); the conversation continues from the first try on
-             odd turns and from the second on even turns.
-interleaved  8 conversations sharing the system prompt, served round robin turn by turn, 3 turns
-             each (fewer than 8 so that (a), which re-prefills ~1,600 tokens on each of its 24 calls,
-             fits the run's time budget). radixcache gets a pool (``max_cache_tokens``) of 1.5x the
-             tokens the 8 conversations need when they share the system prompt: it can hold all of
-             them once, never twice (held unshared they would need several times more).
+Systems (``agent_loop_systems.py``), side by side on the same prompts: (a) plain ``generate``,
+(b) one ``DynamicCache`` per conversation reused in place, (c) transformers' continuous batching with
+prefix sharing, (d) ``radixcache.wrap(model, block_size=16).generate``.
 
-Systems, side by side on the same prompts (the prompts follow (a)'s outputs):
-
-(a) plain     ``model.generate(ids, attention_mask=ones, max_new_tokens=16, do_sample=False)``.
-(b) dyncache  transformers' "iterative generation": one ``DynamicCache(config=model.config)`` per
-              conversation, passed in place to every call with the full ids
-              (``model.generate(ids, attention_mask=ones, cache=dc, ...)``). Before a call the cache is
-              cropped (``dc.crop(-n)``) to its longest common prefix with the new prompt, as a careful
-              caller must when it switches branches.
-(c) cb        transformers' continuous batching with prefix sharing: ``model.generate_batch([ids],
-              generation_config=..., continuous_batching_config=ContinuousBatchingConfig(page_size=16,
-              num_blocks=..., max_batch_tokens=..., allow_block_sharing=True), persistent_manager=True,
-              record_timestamps=True)``, one manager per variant. On CPU the paged cache must be
-              sized explicitly (by default it takes 90% of free RAM): it gets the same 1.5x rule.
-(d) radixcache ``radixcache.wrap(model, block_size=16).generate(...)``, same arguments as (a); a fresh
-              wrapper per variant (default pool in linear/branching, the budget above in interleaved).
-
-Measurements, per call:
-- TTFT: wall time from the call to the first generated token, the same way for every system: (a),
-  (b), (d) pass a streamer that timestamps each token as ``generate`` emits it; (c) records per-token
-  timestamps itself (``record_timestamps=True``) on the same clock (``time.perf_counter``).
-- decode tokens/s: (generated tokens - 1) / (time of the last token - time of the first token).
-- total: wall time of the calls. For (c) each ``generate_batch`` call also starts and stops the
-  manager's thread (the stop polls every 0.1 s); "to last tok" sums call start -> last token instead.
-- peak KV memory, sampled after each call: (a) the largest per-call cache, (prompt + generated)
-  tokens x KV bytes per token; (b) the bytes of every key/value tensor of every live DynamicCache;
-  (c) the paged cache's used bytes (its size minus ``compute_free_capacity(relative=False)``);
-  (d) used blocks x block_size x ``kv_bytes_per_token`` from ``stats()``. "reserved" is the size of
-  the preallocated pool of (c) and (d) (radixcache's is allocated lazily and costs nothing untouched).
-- hit rate: prompt tokens served from cache / prompt tokens. (d): ``stats()`` counters; (c): CB keeps
-  no counter, it only logs "Found a prefix match of N tokens" at debug level, which is counted here.
-- greedy equality: the tokens of (b), (c), (d) are compared with (a)'s, call by call.
+Measurements (``agent_loop_report.py``), per call: TTFT, decode tokens/s, total time, peak KV
+memory, hit rate, and greedy equality of (b), (c), (d) with (a).
 
 Summaries are medians over calls ("hit" calls are those where radixcache reused a cached prefix).
 
@@ -61,9 +24,7 @@ floor         cached-turn TTFT through ``generate`` against its floor (``ttft_fl
               new tokens; at a block-aligned prefix (1,504 + 60 new; target <= 1.05x) and an
               unaligned one (1,500 + 60; target <= 1.08x, which needs the partial last block reused).
 
-Nothing asserts on timings; the ``met?`` column only compares against the issue's targets. The
-workload modules: ``agent_loop_workload.py`` (sizes, scripts), ``agent_loop_systems.py`` (a-d),
-``agent_loop_report.py`` (tables).
+Nothing asserts on timings; the ``met?`` column only compares against the issue's targets.
 
 Cost: (a) takes ~4.5 s of one core per 1,560-token prefill and ~0.1 s per decode step at ~2k tokens;
 the full run used 661 s of CPU with one thread (about 6-9 minutes of wall time on 2 quiet cores with

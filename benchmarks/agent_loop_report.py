@@ -1,4 +1,21 @@
-"""Tables of the agent-loop benchmark: per call, the summary, the targets; and its JSON form."""
+"""Tables of the agent-loop benchmark: per call, the summary, the targets; and its JSON form.
+
+Measurements, per call:
+- TTFT: wall time from the call to the first generated token, the same way for every system: (a),
+  (b), (d) pass a streamer that timestamps each token as ``generate`` emits it; (c) records per-token
+  timestamps itself (``record_timestamps=True``) on the same clock (``time.perf_counter``).
+- decode tokens/s: (generated tokens - 1) / (time of the last token - time of the first token).
+- total: wall time of the calls. For (c) each ``generate_batch`` call also starts and stops the
+  manager's thread (the stop polls every 0.1 s); "to last tok" sums call start -> last token instead.
+- peak KV memory, sampled after each call: (a) the largest per-call cache, (prompt + generated)
+  tokens x KV bytes per token; (b) the bytes of every key/value tensor of every live DynamicCache;
+  (c) the paged cache's used bytes (its size minus ``compute_free_capacity(relative=False)``);
+  (d) used blocks x block_size x ``kv_bytes_per_token`` from ``stats()``. "reserved" is the size of
+  the preallocated pool of (c) and (d) (radixcache's is allocated lazily and costs nothing untouched).
+- hit rate: prompt tokens served from cache / prompt tokens. (d): ``stats()`` counters; (c): CB keeps
+  no counter, it only logs "Found a prefix match of N tokens" at debug level, which is counted here.
+- greedy equality: the tokens of (b), (c), (d) are compared with (a)'s, call by call.
+"""
 
 from __future__ import annotations
 

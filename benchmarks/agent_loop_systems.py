@@ -1,7 +1,24 @@
-"""The systems of the agent-loop benchmark, each serving the same calls: (a) plain generate,
-(b) a DynamicCache reused in place per conversation, (c) transformers' continuous batching with
-prefix sharing, (d) radixcache. Every one is timed by the same streamer (CB by its own per-token
-timestamps on the same clock)."""
+"""The systems of the agent-loop benchmark, each serving the same calls. Every one is timed by the
+same streamer (CB by its own per-token timestamps on the same clock).
+
+Systems, side by side on the same prompts (the prompts follow (a)'s outputs):
+
+(a) plain     ``model.generate(ids, attention_mask=ones, max_new_tokens=16, do_sample=False)``.
+(b) dyncache  transformers' "iterative generation": one ``DynamicCache(config=model.config)`` per
+              conversation, passed in place to every call with the full ids
+              (``model.generate(ids, attention_mask=ones, cache=dc, ...)``). Before a call the cache is
+              cropped (``dc.crop(-n)``) to its longest common prefix with the new prompt, as a careful
+              caller must when it switches branches.
+(c) cb        transformers' continuous batching with prefix sharing: ``model.generate_batch([ids],
+              generation_config=..., continuous_batching_config=ContinuousBatchingConfig(page_size=16,
+              num_blocks=..., max_batch_tokens=..., allow_block_sharing=True), persistent_manager=True,
+              record_timestamps=True)``, one manager per variant. On CPU the paged cache must be
+              sized explicitly (by default it takes 90% of free RAM): it gets the same 1.5x rule
+              (``Config.budget_factor``) as radixcache's interleaved pool.
+(d) radixcache ``radixcache.wrap(model, block_size=16).generate(...)``, same arguments as (a); a fresh
+              wrapper per variant (default pool in linear/branching, the interleaved budget of
+              ``agent_loop_workload``).
+"""
 
 from __future__ import annotations
 

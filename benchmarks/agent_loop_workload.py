@@ -1,4 +1,20 @@
-"""The agent-loop benchmark's workload: sizes, scripted conversations of random token ids."""
+"""The agent-loop benchmark's workload: sizes, scripted conversations of random token ids.
+
+Workload (token-id level; random but fixed-seed token ids, drawn from the vocabulary minus the
+tokenizer's special ids, so no text is tokenized): a 1,500-token system prompt; every turn appends a
+fresh 60-token "user text" to the history and generates 16 tokens; the next prompt is the previous
+prompt + the generated tokens + the next user text. Three variants:
+
+linear       one conversation of 8 turns.
+branching    8 turns; each turn is tried twice from the same history with two different user texts
+             (both generated, one after the other); the conversation continues from the first try on
+             odd turns and from the second on even turns.
+interleaved  8 conversations sharing the system prompt, served round robin turn by turn, 3 turns
+             each (fewer than 8 so that (a), which re-prefills ~1,600 tokens on each of its 24 calls,
+             fits the run's time budget). radixcache gets a pool (``max_cache_tokens``) of 1.5x the
+             tokens the 8 conversations need when they share the system prompt: it can hold all of
+             them once, never twice (held unshared they would need several times more).
+"""
 
 from __future__ import annotations
 
