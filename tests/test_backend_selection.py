@@ -96,11 +96,12 @@ DECODE_PLAN = ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_hea
                "page_size")
 
 
-def flashinfer_semantics(kind, args, kwargs, q, kv_cache):
-    """What FlashInfer's documented API computes for this plan and ``run(q, kv_cache)``: per
-    request its pages' K/V (the last page ``last_page_len`` full), causal aligned to the end of the
-    K/V (decode: one query at the end), ``window_left`` inclusive, soft cap on the scaled logits,
-    GQA by head groups, output ``head_dim_vo`` wide."""
+def flashinfer_semantics(kind, args, kwargs, q, kv_cache, layout):
+    """What FlashInfer's documented API computes for this plan and ``run(q, kv_cache)`` with a
+    wrapper built for ``layout`` ("NHD": pages ``[page_size, kv_heads, dim]``; "HND": ``[kv_heads,
+    page_size, dim]``): per request its pages' K/V (the last page ``last_page_len`` full), causal
+    aligned to the end of the K/V (decode: one query at the end), ``window_left`` inclusive, soft
+    cap on the scaled logits, GQA by head groups, output ``head_dim_vo`` wide."""
     plan = dict(zip(PREFILL_PLAN if kind == "prefill" else DECODE_PLAN, args), **kwargs)
     if kind == "decode":
         plan.update(qo_indptr=torch.arange(len(plan["indptr"])), paged_kv_indptr=plan["indptr"],
@@ -108,6 +109,10 @@ def flashinfer_semantics(kind, args, kwargs, q, kv_cache):
                     head_dim_qk=plan["head_dim"], head_dim_vo=plan["head_dim"])
     assert kind == "decode" or plan["causal"]
     k_cache, v_cache = kv_cache
+    if layout == "HND":  # read the pages token-major below
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    else:
+        assert layout == "NHD", layout
     assert k_cache.shape[1:] == (plan["page_size"], plan["num_kv_heads"], plan["head_dim_qk"])
     assert v_cache.shape[1:] == (plan["page_size"], plan["num_kv_heads"], plan["head_dim_vo"])
     heads, groups = plan["num_qo_heads"], plan["num_qo_heads"] // plan["num_kv_heads"]
@@ -144,7 +149,8 @@ def test_flashinfer_plan_means_what_the_torch_reference_computes(head_dims, step
     semantics over paged_kv_cache, give the torch backend's output (K and V head dims equal or
     not; mixed prefill/decode steps and pure decodes; sliding window; soft cap)."""
     from radixcache.attention import StepPlan
-    from radixcache.attention.flashinfer_backend import paged_kv_cache, plan_step, wrapper_plan
+    from radixcache.attention.flashinfer_backend import (KV_LAYOUT, paged_kv_cache, plan_step,
+                                                         wrapper_plan)
     from radixcache.kv.pool import KVPool
 
     dk, dv = head_dims
@@ -166,6 +172,6 @@ def test_flashinfer_plan_means_what_the_torch_reference_computes(head_dims, step
     assert kind == ("decode" if steps == "decode" and dk == dv else "prefill")
     for layer in range(2):
         want = TorchBackend().attend(layer, query, plan, 0.4, sliding_window=window, softcap=softcap)
-        got = flashinfer_semantics(kind, args, kwargs, query, paged_kv_cache(pool, layer))
+        got = flashinfer_semantics(kind, args, kwargs, query, paged_kv_cache(pool, layer), KV_LAYOUT)
         assert got.shape == want.shape == (plan.num_tokens, 4, dv)
         assert torch.allclose(got, want, atol=1e-5)

@@ -49,6 +49,22 @@ def test_export_import_round_trip_is_exact(kv_dtype):
     assert same(read(a, 2), read(b, 5))
 
 
+def test_the_payload_is_token_major_whatever_the_pool_layout():
+    """The bytes that leave the process are every layer's K ``[block_size, kv_heads, dim]`` then its
+    V, token by token (the layout other processes and earlier versions read), though the pool keeps
+    heads first; and a payload written that way lands at the same tokens and heads."""
+    pool = make_pool()
+    written = fill(pool, 2, seed=7)
+    kv = pool.export_block(2)
+    assert tuple(kv.shape) == (LAYERS, 2, BS, HEADS, DIM)
+    payload = torch.frombuffer(bytearray(kv.data), dtype=torch.float32).view(LAYERS, 2, BS, HEADS, DIM)
+    for layer, (k, v) in enumerate(written):
+        assert torch.equal(payload[layer, 0], k) and torch.equal(payload[layer, 1], v)
+    other = make_pool()
+    other.import_block(4, BlockKV(payload.flip(2).numpy().reshape(-1), kv.dtype, kv.shape, kv.scales))
+    assert same(read(other, 4), [(k.flip(0), v.flip(0)) for k, v in written])
+
+
 def test_snapshot_never_changes_when_the_block_is_reused():
     pool = make_pool()
     first = fill(pool, 1, seed=1)

@@ -73,12 +73,37 @@ def test_backend_matches_naive_reference(seed, shared, tails, prefills, window, 
     check(pool, segments, query, sliding_window=window, softcap=softcap)
 
 
+def poison_unwritten(pool, segments):
+    """NaN into every slot of the segments' last blocks past their K/V (a reused block's stale
+    bytes can be anything): attending over one of them would make the output NaN."""
+    for seg in segments:
+        end = math.ceil(seg.kv_len / pool.block_size) * pool.block_size
+        if end > seg.kv_len:
+            rows = pool.rows_for(seg.blocks, seg.kv_len, end)
+            nan = torch.full((len(rows), pool.num_kv_heads, pool.head_dim), float("nan"))
+            pool.write(0, rows, nan, nan)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), shared=st.integers(0, 3),
+       tails=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+       prefills=st.lists(st.tuples(st.integers(2, 6), st.integers(6, 20)), max_size=2),
+       window=st.sampled_from([None, 3]))
+def test_unwritten_slots_are_never_attended(seed, shared, tails, prefills, window):
+    """Decodes of one length or several, over a shared prefix or not, and prefills: a partly
+    written block's unwritten slots never reach attention, whatever they hold."""
+    prefills = [(min(q, kv), kv) for q, kv in prefills]
+    pool, segments, query = build(seed, shared, tails, prefills)
+    poison_unwritten(pool, segments)
+    check(pool, segments, query, sliding_window=window)
+
+
 def test_shared_prefix_takes_the_cascade_path():
     """Several decodes over one shared prefix: the plan reads the prefix once (cascade)."""
     pool, segments, query = build(1, 4, [3, 5, 1, 8], [])
     plan = check(pool, segments, query)
     state = plan.backend_state
-    assert state.shared_len == 16 and state.context(16).shape == (4, 8) and state.context(16).width == 8
+    assert state.shared_len == 16 and state.context(16).shape == (4, pool.num_kv_heads, 8) and state.context(16).width == 8
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
@@ -138,3 +163,4 @@ def test_a_step_sends_no_per_position_list_to_the_device(monkeypatch):
     assert 0 < sum(copied) <= 5 * 3 + 5 * 63 + 10  # offsets and lengths, the block table
     want = torch.cat([pool.rows_for(s.blocks, s.kv_len - s.q_len, s.kv_len) for s in segments])
     assert torch.equal(plan.write_rows, want)
+    assert torch.equal(plan.write_slots, pool.slots(want).reshape(-1))

@@ -10,8 +10,8 @@ run for every layer:
 - a pure-decode step (every segment has ``q_len == 1``) goes through
   ``BatchDecodeWithPagedKVCacheWrapper`` when K and V share a head dim.
 
-The pool's per-layer pair ``(keys[layer], values[layer])``, ``[num_blocks + 1, block_size,
-kv_heads, head_dim]`` and ``[..., head_dim_v]``, is FlashInfer's ``(k_cache, v_cache)`` "NHD" paged
+The pool's per-layer pair ``(keys[layer], values[layer])``, ``[num_blocks + 1, kv_heads,
+block_size, head_dim]`` and ``[..., head_dim_v]``, is FlashInfer's ``(k_cache, v_cache)`` "HND" paged
 KV cache (``paged_kv_cache``); a sequence's pages are its first ``ceil(kv_len / block_size)`` block
 ids, and the last one holds ``kv_len - (pages - 1) * block_size`` tokens.
 
@@ -46,6 +46,8 @@ import torch
 
 from radixcache.attention.plan import StepPlan, device_tensor
 from radixcache.errors import CacheError
+
+KV_LAYOUT = "HND"  # the pool's layout: [pages, kv_heads, page_size, head_dim]
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-k scratch)
 KERNEL_BACKENDS = ("fa2", "fa3", "auto")
@@ -144,7 +146,7 @@ def plan_step(step_plan: StepPlan, device: torch.device, step: int) -> FlashInfe
 
 
 def paged_kv_cache(pool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashInfer's ``(k_cache, v_cache)`` NHD paged cache of ``layer`` (fp8 pools as e4m3)."""
+    """FlashInfer's ``(k_cache, v_cache)`` HND paged cache of ``layer`` (fp8 pools as e4m3)."""
     return pool.keys[layer], pool.values[layer]
 
 
@@ -280,10 +282,10 @@ class FlashInferBackend:
                 # reuse the prefill kernels' JIT module.
                 tensor_cores = heads // pool.num_kv_heads >= 4 or kv_dtype == torch.float8_e4m3fn
                 wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_tensor_cores=tensor_cores, backend=self.kernel_backend)
+                    self.workspace, KV_LAYOUT, use_tensor_cores=tensor_cores, backend=self.kernel_backend)
             else:
                 backend = self.kernel_backend if pool.head_dim == pool.head_dim_v else "fa2"
-                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend)
+                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, KV_LAYOUT, backend=backend)
             slot = self._slots[key] = _Slot(wrapper)
         if slot.step == state.step:
             return slot.wrapper

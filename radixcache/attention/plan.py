@@ -55,11 +55,11 @@ class StepPlan:
     ``pool``, ``segments`` (packed back to back in order: segment i's queries follow segment
     i-1's), ``num_tokens`` (query rows of the step); on the pool's device: ``block_table``
     (``[S, max_blocks]``: each segment's first ``ceil(kv_len / block_size)`` blocks, padded with
-    the null block), ``kv_lens`` and ``q_starts`` (``[S]``) and ``write_rows`` (pool rows of every
-    new token, in packed order); and ``backend_state``, the backend's own per-step planning
-    (``backend.plan(step)``, run once here, before the forward). Raises ``CacheError`` for segments
-    that are not packed in order, have no query token or more query tokens than K/V, or whose
-    blocks cannot hold their K/V.
+    the null block), ``kv_lens`` and ``q_starts`` (``[S]``), ``write_rows`` (pool rows of every
+    new token, in packed order) and ``write_slots`` (their ``KVPool.slots``, flat); and
+    ``backend_state``, the backend's own per-step planning (``backend.plan(step)``, run once here,
+    before the forward). Raises ``CacheError`` for segments that are not packed in order, have no
+    query token or more query tokens than K/V, or whose blocks cannot hold their K/V.
     """
 
     def __init__(self, pool: KVPool, segments: list[Segment], backend):
@@ -106,12 +106,13 @@ class StepPlan:
             pos = torch.arange(tokens, device=pool.device) - self.q_starts[seq] + \
                 (self.kv_lens - q_lens)[seq]
             self.write_rows = pool.rows(self.block_table, seq, pos)
+        self.write_slots = pool.slots(self.write_rows).reshape(-1)
         self.backend_state = backend.plan(self)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new ``keys`` (``[num_tokens, kv_heads, head_dim]``) and ``values``
         (``[num_tokens, kv_heads, head_dim_v]``) of ``layer``, packed order, into the pool."""
-        self.pool.write(layer, self.write_rows, keys, values)
+        self.pool.write(layer, self.write_rows, keys, values, slots=self.write_slots)
 
     def attend(self, layer: int, query: torch.Tensor, scale: float, sliding_window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:

@@ -2,9 +2,10 @@
 end-aligned causal mask.
 
 Runs on CPU or GPU. Supports GQA/MQA, sliding windows, logit soft-capping (Gemma 2) and K and V of
-different head dims (MLA). A context is gathered block by block (``KVPool.read_blocks``: whole
-blocks in one copy, a partly written last block row by row), the same copy a ``DynamicCache``
-makes when it concatenates. All gather indices of a step are computed on the device from the plan's
+different head dims (MLA). A context is gathered block by block, heads first (``KVPool.read_chunks``:
+every head of a whole block in one copy, a partly written last block slot by slot), straight into
+the ``[S, kv_heads, L, d]`` layout SDPA reads fastest: the same copy a ``DynamicCache`` makes when
+it concatenates. All gather indices of a step are computed on the device from the plan's
 block table, once per step (``TorchStepState``), and every layer reuses them; nothing reads a
 device value back to the host.
 """
@@ -51,36 +52,41 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 class Context:
     """How to gather positions ``start .. start + width - 1`` of sequences ``seq`` (rows of the
     step's block table, lengths ``lens``; ``start`` block-aligned and at most every length) as
-    ``[S, width, kv_heads, dim]``: whole blocks in one gather, each partly written last block as
-    the null block plus its written rows; positions past a sequence's end read zeros."""
+    ``[S, kv_heads, width, dim]``, the layout attention reads: whole blocks in one gather of their
+    per-head chunks, each partly written last block as the null block plus its written slots;
+    positions past a sequence's end read zeros."""
 
     def __init__(self, pool, table: torch.Tensor, seq: torch.Tensor, lens: torch.Tensor,
                  start: int, width: int):
-        bs = pool.block_size
+        bs, heads = pool.block_size, pool.num_kv_heads
         device = table.device
         s = seq.shape[0]
         n = -(-width // bs)
-        self.shape = (s, n * bs)
+        first = start // bs
+        self.shape = (s, heads, n * bs)
         self.width = width
-        cols = torch.arange(start // bs, start // bs + n, device=device)
-        full = (cols[None] + 1) * bs <= lens[:, None]
-        blocks = torch.where(full, table[seq[:, None], cols[None]], pool.null_block)
-        scratch = torch.full((1,), pool.null_block, device=device)  # a landing place for no-ops
-        self.blocks = torch.cat([blocks.reshape(-1), scratch])
+        own = table.index_select(0, seq)
+        partial = lens // bs  # the column of each sequence's partly written (or next) block
+        whole = torch.arange(first, first + n, device=device) < partial[:, None]
+        blocks = torch.where(whole, own[:, first:first + n], pool.null_block)
+        landing = torch.full((1,), pool.null_block * heads, device=device)  # a chunk for no-ops
+        self.chunks = torch.cat([pool.chunks(blocks).reshape(-1), landing])
         offsets = torch.arange(bs, device=device)
-        tail = (lens // bs * bs)[:, None] + offsets  # each sequence's partly written block
-        written = tail < lens[:, None]
-        rows = pool.rows(table, seq[:, None], torch.where(written, tail, 0))
-        self.fill = torch.where(written, rows, pool.null_row).reshape(-1)
-        local = torch.arange(s, device=device)[:, None] * n * bs + tail - start
-        self.into = torch.where(written, local, s * n * bs + offsets).reshape(-1)
+        tail_block = own.gather(1, partial.clamp_max(own.shape[1] - 1)[:, None])  # [s, 1]
+        self.fill = pool.slots(tail_block * bs + offsets).reshape(-1)  # [s, bs, heads]
+        written = offsets < (lens % bs)[:, None]
+        per_head = torch.arange(s * heads, device=device).view(s, 1, heads) * (n * bs)
+        local = per_head + (partial[:, None] * bs + offsets - start)[:, :, None]
+        self.into = torch.where(written[:, :, None], local, (s * heads * n * bs + offsets)[None, :, None])
+        self.into = self.into.reshape(-1)  # unwritten slots land in the landing chunk, never read
 
     def read(self, pool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[S, width, kv_heads, head_dim]`` and values (``head_dim_v``) of ``layer``."""
-        k, v = pool.read_blocks(layer, self.blocks, self.fill, self.into)
-        s, padded = self.shape
-        return (k[:s * padded].view(s, padded, *k.shape[1:])[:, :self.width],
-                v[:s * padded].view(s, padded, *v.shape[1:])[:, :self.width])
+        """Keys ``[S, kv_heads, width, head_dim]`` and values (``head_dim_v``) of ``layer``."""
+        k, v = pool.read_chunks(layer, self.chunks, self.fill, self.into)
+        s, heads, padded = self.shape
+        used = s * heads * padded
+        return (k[:used].view(s, heads, padded, k.shape[-1])[:, :, :self.width],
+                v[:used].view(s, heads, padded, v.shape[-1])[:, :, :self.width])
 
 
 class TorchStepState:
@@ -129,11 +135,13 @@ class TorchStepState:
                                             start, self.max_decode_len - start)
         return self._contexts[start]
 
-    def shared_blocks(self) -> torch.Tensor:
-        """Block ids of the shared prefix (the first decode's first ``shared_len`` tokens)."""
+    def shared_chunks(self) -> torch.Tensor:
+        """Chunks of the shared prefix (the first decode's first ``shared_len`` tokens), in the
+        order that gathers them as ``[kv_heads, shared_len, dim]``."""
         if "shared" not in self._contexts:
             first = self.table[self.decode_seq[:1]]  # [1, max_blocks]
-            self._contexts["shared"] = first[0, :self.shared_len // self.pool.block_size]
+            blocks = first[0, :self.shared_len // self.pool.block_size]
+            self._contexts["shared"] = self.pool.chunks(blocks).reshape(-1)
         return self._contexts["shared"]
 
     def prefill_mask(self, index: int, sliding_window: int | None, dtype) -> torch.Tensor:
@@ -187,7 +195,7 @@ class TorchBackend:
         for i, (seg, context) in enumerate(state.prefills):
             k, v = context.read(pool, layer)
             q = query[seg.q_start:seg.q_start + seg.q_len]
-            o = attend_dense(q.transpose(0, 1)[None], k.transpose(1, 2), v.transpose(1, 2),
+            o = attend_dense(q.transpose(0, 1)[None], k, v,
                              state.prefill_mask(i, sliding_window, mask_dtype), scale, softcap)
             out[seg.q_start:seg.q_start + seg.q_len] = o[0].transpose(0, 1)
         if state.num_decodes:
@@ -200,13 +208,12 @@ class TorchBackend:
         window_cuts = bool(sliding_window) and sliding_window < state.max_decode_len
         if state.shared_len and not softcap and not window_cuts:
             return self._cascade_decode(layer, q, pool, state, scale)
-        k, v = state.context(0).read(pool, layer)  # [S, L, Hkv, d]
+        k, v = state.context(0).read(pool, layer)  # [S, Hkv, L, d]
         if state.same_lengths and not window_cuts:
             mask = None  # every sequence sees its whole context, and none is padded
         else:
             mask = state.decode_mask(sliding_window, None if softcap else q.dtype)
-        return attend_dense(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), mask, scale,
-                            softcap)[:, :, 0]
+        return attend_dense(q[:, :, None], k, v, mask, scale, softcap)[:, :, 0]
 
     @staticmethod
     def _cascade_decode(layer, q, pool, state, scale) -> torch.Tensor:
@@ -218,17 +225,17 @@ class TorchBackend:
         groups = heads // kv_heads
         # shared part: all S*groups queries of a KV head in one matmul
         none = torch.zeros(0, dtype=torch.long, device=q.device)
-        kp, vp = pool.read_blocks(layer, state.shared_blocks(), none, none)  # [Lp, Hkv, d|dv]
+        kp, vp = pool.read_chunks(layer, state.shared_chunks(), none, none)
+        kp = kp.view(kv_heads, -1, kp.shape[-1])  # [Hkv, Lp, d]
+        vp = vp.view(kv_heads, -1, dim_v)
         qg = q.float().view(s, kv_heads, groups, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
-        out_p, lse_p = _softmax_attend(qg, kp.float().transpose(0, 1), vp.float().transpose(0, 1),
-                                       None, scale)
+        out_p, lse_p = _softmax_attend(qg, kp.float(), vp.float(), None, scale)
         out_p = out_p.view(kv_heads, s, groups, dim_v).permute(1, 0, 2, 3).reshape(s, heads, dim_v)
         lse_p = lse_p.view(kv_heads, s, groups).permute(1, 0, 2).reshape(s, heads)
         # own tails
         context = state.context(state.shared_len)
         k, v = context.read(pool, layer)
-        k = k.float().transpose(1, 2)  # [S, Hkv, W, d]
-        v = v.float().transpose(1, 2)
+        k, v = k.float(), v.float()  # [S, Hkv, W, d]
         valid = torch.arange(context.width, device=q.device) < \
             (state.decode_lens - state.shared_len)[:, None]
         qs = q.float().view(s, kv_heads, groups, dim)

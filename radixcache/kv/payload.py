@@ -1,6 +1,7 @@
 """A block's payload (``radixcache.store.BlockKV`` bytes) into a pool's tensors: fp8 rescaling and
-the copy. Every layer's payload is its K bytes (``[block_size, kv_heads, head_dim]``) then its V
-bytes (``[block_size, kv_heads, head_dim_v]``), in storage dtype."""
+the copy. Every layer's payload is its K bytes (``[block_size, kv_heads, head_dim]``, token-major
+whatever the pool's own layout) then its V bytes (``[block_size, kv_heads, head_dim_v]``), in
+storage dtype."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def fp8_in_scales(src: np.ndarray, scales, current: list, k_elems: int) -> tuple
 
 def write_payload(keys: list, values: list, block: int, src: np.ndarray) -> None:
     """Copy one block's payload ``src`` into ``block`` of the per-layer ``keys`` / ``values``
-    tensors (one host-to-device transfer off the CPU)."""
+    tensors (``[blocks, kv_heads, block_size, dim]``, the pool's layout; one host-to-device
+    transfer off the CPU)."""
     k_bytes = keys[0][block].numel() * keys[0].element_size()
     per_layer = k_bytes + values[0][block].numel() * values[0].element_size()
     staged = torch.from_numpy(src.copy())  # copy: src may be read-only
@@ -55,5 +57,6 @@ def write_payload(keys: list, values: list, block: int, src: np.ndarray) -> None
         staged = staged.to(keys[0].device)
     for i, (k, v) in enumerate(zip(keys, values)):
         base = i * per_layer
-        k[block].view(torch.uint8).view(-1).copy_(staged[base:base + k_bytes])
-        v[block].view(torch.uint8).view(-1).copy_(staged[base + k_bytes:base + per_layer])
+        for tensor, part in ((k, staged[base:base + k_bytes]), (v, staged[base + k_bytes:base + per_layer])):
+            into = tensor[block].view(torch.uint8)  # [kv_heads, block_size, dim bytes]
+            into.copy_(part.view(into.shape[1], into.shape[0], into.shape[2]).transpose(0, 1))

@@ -1,12 +1,16 @@
-"""KVPool: per-layer paged K/V storage, K ``[num_blocks + 1, block_size, kv_heads, head_dim]`` and
-V ``[num_blocks + 1, block_size, kv_heads, head_dim_v]`` (FlashInfer's "NHD" paged layout as a
-``(k_cache, v_cache)`` pair).
+"""KVPool: per-layer paged K/V storage, K ``[num_blocks + 1, kv_heads, block_size, head_dim]`` and
+V ``[num_blocks + 1, kv_heads, block_size, head_dim_v]`` (FlashInfer's "HND" paged layout as a
+``(k_cache, v_cache)`` pair: heads first within a block, so a sequence's context gathers straight
+into the ``[S, kv_heads, L, d]`` layout attention reads, one ``block_size x d`` chunk at a time).
 
 K and V may have different head dims (MLA models: K is ``qk_nope + qk_rope``, V ``v_head_dim``).
 Block ``num_blocks`` is an extra all-zero *null block* that padding columns point at; it is never
 handed out by the allocator. Positions are addressed by *rows*: the row of (block b, offset o) is
-``b * block_size + o`` in both the K and the V tensor viewed as ``[-1, kv_heads, dim]``; ``rows``
-computes them from a block table with tensor ops, on the pool's device.
+``b * block_size + o``; ``rows`` computes them from a block table with tensor ops, on the pool's
+device. Within a layer's tensor viewed as ``[-1, dim]``, head h of row r is *slot*
+``(r // block_size * kv_heads + h) * block_size + r % block_size`` (``slots``), and head h of
+block b is *chunk* ``b * kv_heads + h`` of the tensor viewed as ``[-1, block_size, dim]``
+(``chunks``).
 
 fp8 storage (e4m3) keeps one scale per layer for K and one for V, calibrated on the first K/V
 written to that layer (its absolute maximum, with ``FP8_HEADROOM`` to spare) and fixed from then on,
@@ -84,13 +88,15 @@ class KVPool:
         self.keys, self.values = [], []
         for _ in range(num_layers):
             for tensors, dim in ((self.keys, head_dim), (self.values, head_dim_v)):
-                t = torch.empty(num_blocks + 1, block_size, num_kv_heads, dim,
+                t = torch.empty(num_blocks + 1, num_kv_heads, block_size, dim,
                                 dtype=self.storage_dtype, device=self.device)
                 t[self.null_block].zero_()
                 tensors.append(t)
-        flat = lambda t: t.view(-1, *t.shape[2:])  # noqa: E731  [rows, kv_heads, dim]
+        flat = lambda t: t.view(-1, t.shape[-1])  # noqa: E731  [slots, dim]
         as_bytes = (lambda t: t.view(torch.uint8)) if self.quantized else (lambda t: t)  # noqa: E731
         self._flat = [(as_bytes(flat(k)), as_bytes(flat(v))) for k, v in zip(self.keys, self.values)]
+        self._head_ids = torch.arange(num_kv_heads, device=self.device)
+        self._head_slots = self._head_ids * block_size
         self.scales = torch.zeros(num_layers, 2, dtype=torch.float32, device=self.device)  # 0: not set
         self._host_scales: list = [None] * num_layers  # (k, v) floats once the layer is calibrated
         self._clamped = torch.zeros(num_layers, 2, dtype=torch.int64, device=self.device)
@@ -134,9 +140,21 @@ class KVPool:
         pos = torch.arange(start, end, device=self.device)
         return self.rows(table, torch.zeros_like(pos), pos)
 
-    def write(self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def slots(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[..., kv_heads]`` slots (see the module docstring) of every head of ``rows``."""
+        bs = self.block_size  # (b * heads + h) * bs + o == row + b * (heads - 1) * bs + h * bs
+        return (rows + rows // bs * ((self.num_kv_heads - 1) * bs))[..., None] + self._head_slots
+
+    def chunks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """``[..., kv_heads, n]`` chunks (see the module docstring) of ``blocks`` (``[..., n]``):
+        gathered in this order, they lay out ``[..., kv_heads, n * block_size, dim]``."""
+        return (blocks * self.num_kv_heads)[..., None, :] + self._head_ids[:, None]
+
+    def write(self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+              slots: torch.Tensor | None = None) -> None:
         """Store ``keys`` (``[N, kv_heads, head_dim]``) and ``values`` (``[N, kv_heads,
-        head_dim_v]``) at ``rows`` (``[N]``)."""
+        head_dim_v]``) at ``rows`` (``[N]``); ``slots``: ``slots(rows).reshape(-1)``, when the
+        caller has it already (a step writes every layer at the same rows)."""
         flat_k, flat_v = self._flat[layer]
         if self.quantized:
             if not keys.numel():
@@ -150,33 +168,36 @@ class KVPool:
         else:
             keys = keys.to(self.storage_dtype)
             values = values.to(self.storage_dtype)
-        flat_k.index_copy_(0, rows, keys)
-        flat_v.index_copy_(0, rows, values)
+        if slots is None:
+            slots = self.slots(rows).reshape(-1)
+        flat_k.index_copy_(0, slots, keys.reshape(slots.shape[0], -1))
+        flat_v.index_copy_(0, slots, values.reshape(slots.shape[0], -1))
 
     def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys ``[N, kv_heads, head_dim]`` and values ``[N, kv_heads, head_dim_v]`` (compute
         dtype) at ``rows``."""
         flat_k, flat_v = self._flat[layer]
-        keys = flat_k.index_select(0, rows)
-        values = flat_v.index_select(0, rows)
+        slots = self.slots(rows).reshape(-1)
+        keys = flat_k.index_select(0, slots).view(*rows.shape, self.num_kv_heads, -1)
+        values = flat_v.index_select(0, slots).view(*rows.shape, self.num_kv_heads, -1)
         if self.quantized:
             return self._dequantize(layer, 0, keys), self._dequantize(layer, 1, values)
         if self.storage_dtype != self.dtype:
             return keys.to(self.dtype), values.to(self.dtype)
         return keys, values
 
-    def read_blocks(self, layer: int, blocks: torch.Tensor, fill_rows: torch.Tensor,
-                    into_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[N * block_size, kv_heads, head_dim]`` and values (``head_dim_v``; compute dtype)
-        of the whole ``blocks`` (``[N]``, block by block), whose rows ``into_rows`` are then
-        overwritten with the pool rows ``fill_rows``: whole blocks are copied in one gather each
-        (much cheaper than row by row), and a partly written block is passed as the null block plus
-        the rows that are written, so no unwritten row is ever read."""
+    def read_chunks(self, layer: int, chunks: torch.Tensor, fill_slots: torch.Tensor,
+                    into_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[N * block_size, head_dim]`` and values (``head_dim_v``; compute dtype) of the
+        ``chunks`` (``[N]``, chunk by chunk), whose slots ``into_slots`` are then overwritten with
+        the pool slots ``fill_slots``: whole chunks are copied in one gather each (much cheaper
+        than slot by slot), and a partly written block is passed as the null block plus its
+        written slots (a caller may send its unwritten slots to a landing chunk it never reads)."""
         out = []
         for j, (tensor, flat) in enumerate(zip((self.keys[layer], self.values[layer]), self._flat[layer])):
             source = tensor.view(torch.uint8) if self.quantized else tensor
-            gathered = source.index_select(0, blocks).view(-1, *tensor.shape[2:])
-            gathered.index_copy_(0, into_rows, flat.index_select(0, fill_rows))
+            gathered = source.view(-1, *source.shape[2:]).index_select(0, chunks).view(-1, flat.shape[1])
+            gathered.index_copy_(0, into_slots, flat.index_select(0, fill_slots))
             if self.quantized:
                 gathered = self._dequantize(layer, j, gathered)
             elif self.storage_dtype != self.dtype:
@@ -227,8 +248,8 @@ class KVPool:
         if not blocks:
             return []
         index = torch.as_tensor(list(blocks), dtype=torch.long, device=self.device)
-        per_layer = [torch.cat([t.index_select(0, index).view(torch.uint8).reshape(len(blocks), -1)
-                                for t in pair], dim=1)
+        per_layer = [torch.cat([t.index_select(0, index).view(torch.uint8).transpose(1, 2)  # to NHD
+                                .reshape(len(blocks), -1) for t in pair], dim=1)
                      for pair in zip(self.keys, self.values)]
         raw = torch.stack(per_layer, dim=1).cpu().numpy()  # [blocks, layers, K bytes + V bytes]
         with self._scale_lock:
