@@ -3,9 +3,10 @@ end-aligned causal mask.
 
 Runs on CPU or GPU. Supports GQA/MQA, sliding windows, logit soft-capping (Gemma 2) and K and V of
 different head dims (MLA). A context is gathered block by block, heads first (``KVPool.read_chunks``:
-every head of a whole block in one copy, a partly written last block slot by slot), straight into
-the ``[S, kv_heads, L, d]`` layout SDPA reads fastest: the same copy a ``DynamicCache`` makes when
-it concatenates. All gather indices of a step are computed on the device from the plan's
+every head of a block in one copy), straight into the ``[S, kv_heads, L, d]`` layout SDPA reads
+fastest: the same copy a ``DynamicCache`` makes when it concatenates. A partly written block is
+gathered whole and its unwritten slots inside the context are zeroed (stale bytes, possibly NaN,
+never reach attention). All gather indices of a step are computed on the device from the plan's
 block table, once per step (``TorchStepState``), and every layer reuses them; nothing reads a
 device value back to the host.
 """
@@ -52,12 +53,14 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 class Context:
     """How to gather positions ``start .. start + width - 1`` of sequences ``seq`` (rows of the
     step's block table, lengths ``lens``; ``start`` block-aligned and at most every length) as
-    ``[S, kv_heads, width, dim]``, the layout attention reads: whole blocks in one gather of their
-    per-head chunks, each partly written last block as the null block plus its written slots;
-    positions past a sequence's end read zeros."""
+    ``[S, kv_heads, width, dim]``, the layout attention reads: every block a sequence has written
+    to, partly written ones too, in one gather of their per-head chunks, then the unwritten slots
+    of its partly written block set to zero; positions past a sequence's end read zeros.
+    ``equal_lengths`` (host-known: every length is ``start + width``) skips the zeroing, since
+    then no unwritten slot lies inside the context."""
 
     def __init__(self, pool, table: torch.Tensor, seq: torch.Tensor, lens: torch.Tensor,
-                 start: int, width: int):
+                 start: int, width: int, equal_lengths: bool):
         bs, heads = pool.block_size, pool.num_kv_heads
         device = table.device
         s = seq.shape[0]
@@ -65,24 +68,24 @@ class Context:
         first = start // bs
         self.shape = (s, heads, n * bs)
         self.width = width
-        own = table.index_select(0, seq)
-        partial = lens // bs  # the column of each sequence's partly written (or next) block
-        whole = torch.arange(first, first + n, device=device) < partial[:, None]
-        blocks = torch.where(whole, own[:, first:first + n], pool.null_block)
-        landing = torch.full((1,), pool.null_block * heads, device=device)  # a chunk for no-ops
-        self.chunks = torch.cat([pool.chunks(blocks).reshape(-1), landing])
-        offsets = torch.arange(bs, device=device)
-        tail_block = own.gather(1, partial.clamp_max(own.shape[1] - 1)[:, None])  # [s, 1]
-        self.fill = pool.slots(tail_block * bs + offsets).reshape(-1)  # [s, bs, heads]
-        written = offsets < (lens % bs)[:, None]
-        per_head = torch.arange(s * heads, device=device).view(s, 1, heads) * (n * bs)
-        local = per_head + (partial[:, None] * bs + offsets - start)[:, :, None]
-        self.into = torch.where(written[:, :, None], local, (s * heads * n * bs + offsets)[None, :, None])
-        self.into = self.into.reshape(-1)  # unwritten slots land in the landing chunk, never read
+        own = table.index_select(0, seq)[:, first:first + n]
+        written = torch.arange(first * bs, (first + n) * bs, bs, device=device) < lens[:, None]
+        chunks = pool.chunks(torch.where(written, own, pool.null_block)).reshape(-1)
+        self.zero = None
+        if not equal_lengths:  # unwritten slots of a partly written block: zeros, not stale bytes
+            landing = torch.full((1,), pool.null_block * heads, device=device)
+            chunks = torch.cat([chunks, landing])
+            offsets = torch.arange(bs, device=device)
+            tail = (lens // bs * bs - start)[:, None] + offsets  # the partly written block
+            per_head = torch.arange(s * heads, device=device).view(s, 1, heads) * (n * bs)
+            unwritten = (offsets >= lens[:, None] % bs) & (lens[:, None] % bs > 0)
+            self.zero = torch.where(unwritten[:, :, None], per_head + tail[:, :, None],
+                                    (s * heads * n * bs + offsets)[None, :, None]).reshape(-1)
+        self.chunks = chunks
 
     def read(self, pool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys ``[S, kv_heads, width, head_dim]`` and values (``head_dim_v``) of ``layer``."""
-        k, v = pool.read_chunks(layer, self.chunks, self.fill, self.into)
+        k, v = pool.read_chunks(layer, self.chunks, self.zero)
         s, heads, padded = self.shape
         used = s * heads * padded
         return (k[:used].view(s, heads, padded, k.shape[-1])[:, :, :self.width],
@@ -111,7 +114,8 @@ class TorchStepState:
         for i, s in enumerate(segments):
             if s.q_len > 1:
                 one = torch.full((1,), i, device=device)
-                self.prefills.append((s, Context(pool, table, one, step.kv_lens[one], 0, s.kv_len)))
+                self.prefills.append((s, Context(pool, table, one, step.kv_lens[one], 0, s.kv_len,
+                                                 equal_lengths=True)))
         index = [i for i, s in enumerate(segments) if s.q_len == 1]
         decodes = [segments[i] for i in index]
         self.num_decodes = n = len(decodes)
@@ -132,7 +136,7 @@ class TorchStepState:
         """The decodes' ``Context`` from position ``start`` (0 or ``shared_len``) to their ends."""
         if start not in self._contexts:
             self._contexts[start] = Context(self.pool, self.table, self.decode_seq, self.decode_lens,
-                                            start, self.max_decode_len - start)
+                                            start, self.max_decode_len - start, self.same_lengths)
         return self._contexts[start]
 
     def shared_chunks(self) -> torch.Tensor:
@@ -224,8 +228,7 @@ class TorchBackend:
         kv_heads, dim_v = pool.num_kv_heads, pool.head_dim_v
         groups = heads // kv_heads
         # shared part: all S*groups queries of a KV head in one matmul
-        none = torch.zeros(0, dtype=torch.long, device=q.device)
-        kp, vp = pool.read_chunks(layer, state.shared_chunks(), none, none)
+        kp, vp = pool.read_chunks(layer, state.shared_chunks(), None)
         kp = kp.view(kv_heads, -1, kp.shape[-1])  # [Hkv, Lp, d]
         vp = vp.view(kv_heads, -1, dim_v)
         qg = q.float().view(s, kv_heads, groups, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)

@@ -186,18 +186,18 @@ class KVPool:
             return keys.to(self.dtype), values.to(self.dtype)
         return keys, values
 
-    def read_chunks(self, layer: int, chunks: torch.Tensor, fill_slots: torch.Tensor,
-                    into_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_chunks(self, layer: int, chunks: torch.Tensor,
+                    zero_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys ``[N * block_size, head_dim]`` and values (``head_dim_v``; compute dtype) of the
-        ``chunks`` (``[N]``, chunk by chunk), whose slots ``into_slots`` are then overwritten with
-        the pool slots ``fill_slots``: whole chunks are copied in one gather each (much cheaper
-        than slot by slot), and a partly written block is passed as the null block plus its
-        written slots (a caller may send its unwritten slots to a landing chunk it never reads)."""
+        ``chunks`` (``[N]``, chunk by chunk, in one gather each: much cheaper than slot by slot),
+        with the slots ``zero_slots`` of the result (None: none) set to zero: a caller that gathers
+        a partly written block whole zeroes its unwritten slots, whose bytes are stale."""
         out = []
         for j, (tensor, flat) in enumerate(zip((self.keys[layer], self.values[layer]), self._flat[layer])):
             source = tensor.view(torch.uint8) if self.quantized else tensor
             gathered = source.view(-1, *source.shape[2:]).index_select(0, chunks).view(-1, flat.shape[1])
-            gathered.index_copy_(0, into_slots, flat.index_select(0, fill_slots))
+            if zero_slots is not None:
+                gathered.index_fill_(0, zero_slots, 0)
             if self.quantized:
                 gathered = self._dequantize(layer, j, gathered)
             elif self.storage_dtype != self.dtype:
