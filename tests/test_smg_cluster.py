@@ -67,8 +67,18 @@ class Replicas:
             raise
         self.urls = [p.base for p in self.procs]
 
-    def served(self):
-        return served_by(self.logs)
+    def served(self, turns, timeout_s=30.0):
+        """``served_by`` the replicas' token logs once they hold every one of ``turns``: a replica
+        writes a request's line when it closes the request, which can be just after the client
+        has read the whole reply."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            served = served_by(self.logs)
+            missing = [t.id for t in turns if t.id not in served]
+            if not missing:
+                return served
+            assert time.monotonic() < deadline, f"no replica logged {missing} within {timeout_s} s"
+            time.sleep(0.05)
 
     def stop(self):
         for proc in self.procs:
@@ -108,7 +118,7 @@ def test_cache_aware_keeps_sessions_on_one_replica(replicas, tmp_path):
     try:
         queried_before = worker_metric(router, "vllm:prefix_cache_queries_total")
         turns = run_sessions(router.base_url, MODEL, sessions=16, turns=3, stagger_s=0.1, api_key=KEY)
-        served = replicas.served()
+        served = replicas.served(turns)
         for session, its_turns in sessions_of(turns).items():
             homes = {served[t.id][0] for t in its_turns}
             assert len(homes) == 1, f"session {session} moved between replicas {homes}"
@@ -142,7 +152,7 @@ def test_round_robin_serves_the_other_replica_from_redis(replicas, tmp_path):
         for k in range(2):  # one session at a time: round_robin then alternates at every turn
             turns += run_sessions(router.base_url, MODEL, sessions=1, turns=3, pause_s=1.0, api_key=KEY,
                                   first_session=100 + k)
-        served = replicas.served()
+        served = replicas.served(turns)
         moved = 0
         for its_turns in sessions_of(turns).values():
             for previous, current in zip(its_turns, its_turns[1:]):
@@ -167,7 +177,7 @@ def test_a_killed_replica_fails_over(model_dir, tmp_path):
         with pytest.raises(httpx.HTTPError):
             httpx.get(group.urls[1] + "/health", timeout=2)
         turns = run_sessions(router.base_url, MODEL, sessions=6, turns=2, first_session=200)
-        served = group.served()
+        served = group.served(turns)
         assert {served[t.id][0] for t in turns} == {0}
     finally:
         if router is not None:
