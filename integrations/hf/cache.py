@@ -81,6 +81,7 @@ class PlannedCache(Cache):
         self.shape: tuple = (0, 0)  # (batch, new columns) of the forward in flight
         self.dense = dense
         self.history: torch.Tensor | None = None  # dense: [B, columns] pool rows of every column
+        self.history_slots: torch.Tensor | None = None  # dense: their KVPool.slots, flat
 
     def begin_forward(self, batch: int, n: int) -> None:
         """Set ``plan`` (and ``gather``) for a forward of ``n`` new columns per row."""
@@ -99,7 +100,9 @@ class PlannedCache(Cache):
             raise CacheError(f"layer {layer_idx} ran before layer 0 planned the forward")
         if self.dense:
             self.write(layer_idx, key_states, value_states)
-            k, v = self.plan.pool.read(layer_idx, self.history.reshape(-1))
+            if layer_idx == 0:  # every layer reads the same rows
+                self.history_slots = self.plan.pool.slots(self.history.reshape(-1)).reshape(-1)
+            k, v = self.plan.pool.read(layer_idx, self.history.reshape(-1), slots=self.history_slots)
             rows, cols = self.history.shape
             return (k.view(rows, cols, *k.shape[1:]).transpose(1, 2),
                     v.view(rows, cols, *v.shape[1:]).transpose(1, 2))

@@ -95,6 +95,8 @@ class KVPool:
         flat = lambda t: t.view(-1, t.shape[-1])  # noqa: E731  [slots, dim]
         as_bytes = (lambda t: t.view(torch.uint8)) if self.quantized else (lambda t: t)  # noqa: E731
         self._flat = [(as_bytes(flat(k)), as_bytes(flat(v))) for k, v in zip(self.keys, self.values)]
+        chunked = lambda t: as_bytes(t).view(-1, *t.shape[2:])  # noqa: E731  [chunks, bs, dim]
+        self._chunked = [(chunked(k), chunked(v)) for k, v in zip(self.keys, self.values)]
         self._head_ids = torch.arange(num_kv_heads, device=self.device)
         self._head_slots = self._head_ids * block_size
         self.scales = torch.zeros(num_layers, 2, dtype=torch.float32, device=self.device)  # 0: not set
@@ -173,11 +175,13 @@ class KVPool:
         flat_k.index_copy_(0, slots, keys.reshape(slots.shape[0], -1))
         flat_v.index_copy_(0, slots, values.reshape(slots.shape[0], -1))
 
-    def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, rows: torch.Tensor, *,
+             slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys ``[N, kv_heads, head_dim]`` and values ``[N, kv_heads, head_dim_v]`` (compute
-        dtype) at ``rows``."""
+        dtype) at ``rows``; ``slots`` as in ``write``."""
         flat_k, flat_v = self._flat[layer]
-        slots = self.slots(rows).reshape(-1)
+        if slots is None:
+            slots = self.slots(rows).reshape(-1)
         keys = flat_k.index_select(0, slots).view(*rows.shape, self.num_kv_heads, -1)
         values = flat_v.index_select(0, slots).view(*rows.shape, self.num_kv_heads, -1)
         if self.quantized:
@@ -193,9 +197,8 @@ class KVPool:
         with the slots ``zero_slots`` of the result (None: none) set to zero: a caller that gathers
         a partly written block whole zeroes its unwritten slots, whose bytes are stale."""
         out = []
-        for j, (tensor, flat) in enumerate(zip((self.keys[layer], self.values[layer]), self._flat[layer])):
-            source = tensor.view(torch.uint8) if self.quantized else tensor
-            gathered = source.view(-1, *source.shape[2:]).index_select(0, chunks).view(-1, flat.shape[1])
+        for j, (source, flat) in enumerate(zip(self._chunked[layer], self._flat[layer])):
+            gathered = source.index_select(0, chunks).view(-1, flat.shape[1])
             if zero_slots is not None:
                 gathered.index_fill_(0, zero_slots, 0)
             if self.quantized:
