@@ -106,6 +106,37 @@ def test_shared_prefix_takes_the_cascade_path():
     assert state.shared_len == 16 and state.context(16).shape == (4, pool.num_kv_heads, 8) and state.context(16).width == 8
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), shared=st.integers(1, 4),
+       tails=st.lists(st.integers(1, 9), min_size=2, max_size=5))
+def test_cascade_decode_matches_the_reference_with_either_kernel(fused, seed, shared, tails):
+    """The cascade's two partial attentions run on torch's fused CPU flash kernel (which returns
+    the log-sum-exp) or, where it cannot (CUDA, K and V of different head dims), on the float32
+    reference; both merge to what a naive per-query softmax gives."""
+    import radixcache.attention.torch_backend as backend
+
+    pool, segments, query = build(seed, shared, tails, [])
+    saved = backend._FLASH_CPU
+    backend._FLASH_CPU = saved if fused else None
+    try:
+        plan = check(pool, segments, query)
+    finally:
+        backend._FLASH_CPU = saved
+    assert plan.backend_state.shared_len > 0
+
+
+def test_a_decode_whose_whole_context_is_shared_still_attends_its_last_token():
+    """A decode ending exactly at a block boundary inside what the others share: the cascade's
+    shared part stops a block earlier, so every decode keeps a non-empty own tail (a fused kernel
+    gives an empty row log-sum-exp 0, not -inf, which would weigh zeros into the merge)."""
+    pool, segments, query = build(4, 3, [5, 7], [])
+    bs = pool.block_size
+    segments = [Segment(0, 1, 2 * bs, segments[0].blocks[:2])] + [Segment(1, 1, s.kv_len, s.blocks) for s in segments[1:]]
+    plan = check(pool, segments, query[:2])
+    assert plan.backend_state.shared_len == bs
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_low_precision_pools_stay_close(kv_dtype):
     """bf16 and fp8 pools dequantize to the compute dtype; attention stays close to fp32."""

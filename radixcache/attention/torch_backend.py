@@ -8,7 +8,9 @@ fastest: the same copy a ``DynamicCache`` makes when it concatenates. A partly w
 gathered whole and its unwritten slots inside the context are zeroed (stale bytes, possibly NaN,
 never reach attention). All gather indices of a step are computed on the device from the plan's
 block table, once per step (``TorchStepState``), and every layer reuses them; nothing reads a
-device value back to the host.
+device value back to the host. Decodes that share whole blocks (a system prompt) read them once per
+layer and merge with their own tails by log-sum-exp (cascade); on CPU both halves run on torch's
+fused flash kernel in the model's dtype (``attend_with_lse``).
 """
 
 from __future__ import annotations
@@ -121,7 +123,11 @@ class TorchStepState:
         self.num_decodes = n = len(decodes)
         self.max_decode_len = max((s.kv_len for s in decodes), default=0)
         self.same_lengths = all(s.kv_len == self.max_decode_len for s in decodes)
-        self.shared_len = (shared_blocks(decodes, pool.block_size) if n > 1 else 0) * pool.block_size
+        min_decode_len = min((s.kv_len for s in decodes), default=0)
+        # whole blocks before every decode's last token (its own tail is never empty)
+        shared = min(shared_blocks(decodes, pool.block_size), (min_decode_len - 1) // pool.block_size) \
+            if n > 1 else 0
+        self.shared_len = shared * pool.block_size
         if n == len(segments):  # a pure decode step: segment i is packed row i
             self.decode_seq = torch.arange(n, device=device)
             self.decode_q = None
@@ -157,6 +163,16 @@ class TorchStepState:
             pos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=self.table.device)
             mask = causal_mask(pos, seg.kv_len, seg.kv_len, sliding_window)[None, None]
             self._masks[key] = _as(mask, dtype)
+        return self._masks[key]
+
+    def tail_mask(self, dtype) -> torch.Tensor:
+        """``[S, 1, 1, width]`` additive mask (in ``dtype``) of the decodes' own tails past
+        ``shared_len``: a tail's padding past its sequence's end is hidden."""
+        key = ("tail", dtype)
+        if key not in self._masks:
+            width = self.max_decode_len - self.shared_len
+            valid = torch.arange(width, device=self.table.device) < (self.decode_lens - self.shared_len)[:, None]
+            self._masks[key] = _as(valid[:, None, None, :], dtype)
         return self._masks[key]
 
     def decode_mask(self, sliding_window: int | None, dtype) -> torch.Tensor:
@@ -227,26 +243,37 @@ class TorchBackend:
         s, heads, dim = q.shape
         kv_heads, dim_v = pool.num_kv_heads, pool.head_dim_v
         groups = heads // kv_heads
-        # shared part: all S*groups queries of a KV head in one matmul
+        # shared part: all S*groups queries of a KV head as one sequence of queries
         kp, vp = pool.read_chunks(layer, state.shared_chunks(), None)
-        kp = kp.view(kv_heads, -1, kp.shape[-1])  # [Hkv, Lp, d]
-        vp = vp.view(kv_heads, -1, dim_v)
-        qg = q.float().view(s, kv_heads, groups, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
-        out_p, lse_p = _softmax_attend(qg, kp.float(), vp.float(), None, scale)
+        kp = kp.view(1, kv_heads, -1, kp.shape[-1])  # [1, Hkv, Lp, d]
+        vp = vp.view(1, kv_heads, -1, dim_v)
+        qg = q.view(s, kv_heads, groups, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, s * groups, dim)
+        out_p, lse_p = attend_with_lse(qg, kp, vp, None, scale)
         out_p = out_p.view(kv_heads, s, groups, dim_v).permute(1, 0, 2, 3).reshape(s, heads, dim_v)
         lse_p = lse_p.view(kv_heads, s, groups).permute(1, 0, 2).reshape(s, heads)
-        # own tails
+        # own tails (each at least one token: shared_len stops before every decode's last token)
         context = state.context(state.shared_len)
-        k, v = context.read(pool, layer)
-        k, v = k.float(), v.float()  # [S, Hkv, W, d]
-        valid = torch.arange(context.width, device=q.device) < \
-            (state.decode_lens - state.shared_len)[:, None]
-        qs = q.float().view(s, kv_heads, groups, dim)
-        out_s, lse_s = _softmax_attend(qs, k, v, valid[:, None, None, :], scale)
-        out_s, lse_s = out_s.reshape(s, heads, dim_v), lse_s.reshape(s, heads)
-        lse = torch.logaddexp(lse_p, lse_s)
-        merged = out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
-        return merged.to(q.dtype)
+        k, v = context.read(pool, layer)  # [S, Hkv, W, d]
+        out_s, lse_s = attend_with_lse(q.view(s, kv_heads, groups, dim), k, v,
+                                       state.tail_mask(q.dtype), scale)
+        out_s, lse_s = out_s.reshape(s, heads, dim_v).float(), lse_s.reshape(s, heads)
+        share = torch.sigmoid(lse_p - lse_s)[..., None]  # the prefix's share of the softmax mass
+        return torch.lerp(out_s, out_p.float(), share).to(q.dtype)
+
+
+def attend_with_lse(q, k, v, mask, scale):
+    """``softmax(q k^T * scale) v`` and its log-sum-exp (float32): ``q [B, H, n, d]``, ``k [B, H,
+    L, d]``, ``v [B, H, L, dv]``, ``mask`` None or additive (0 / -inf) in q's dtype, broadcastable
+    to ``[B, H, n, L]``, leaving every row at least one key. On CPU with ``dv == d``: torch's fused
+    flash kernel in the inputs' own dtype (float32 accumulation, output in q's dtype), with no
+    float32 copy of K and V; elsewhere the float32 reference ``_softmax_attend``."""
+    if q.device.type == "cpu" and k.shape[-1] == v.shape[-1] and _FLASH_CPU is not None:
+        return _FLASH_CPU(q, k, v, attn_mask=mask, scale=scale)
+    valid = None if mask is None else mask == 0
+    return _softmax_attend(q.float(), k.float(), v.float(), valid, scale)
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _softmax_attend(q, k, v, valid, scale):
