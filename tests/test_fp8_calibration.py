@@ -100,14 +100,14 @@ def test_a_first_write_racing_an_import_keeps_one_scale_per_layer(monkeypatch):
     value = source.export_block(0)
 
     pool = KVPool(1, 4, BS, 2, 8, dtype=torch.float32, device="cpu", kv_dtype="fp8")
-    original = pool._calibrate
+    original = pool.fp8.calibrate
     imported = threading.Event()
 
     def held_open(*args):
         imported.wait(0.5)  # the import finishes meanwhile unless the lock keeps it out
         original(*args)
 
-    monkeypatch.setattr(pool, "_calibrate", held_open)
+    monkeypatch.setattr(pool.fp8, "calibrate", held_open)
     written = torch.linspace(-8, 8, BS * 2 * 8).view(BS, 2, 8)
     writer = threading.Thread(target=pool.write, args=(0, pool.rows_for([1], 0, BS), written, written))
     writer.start()

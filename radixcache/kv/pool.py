@@ -12,31 +12,25 @@ device. Within a layer's tensor viewed as ``[-1, dim]``, head h of row r is *slo
 block b is *chunk* ``b * kv_heads + h`` of the tensor viewed as ``[-1, block_size, dim]``
 (``chunks``).
 
-fp8 storage (e4m3) keeps one scale per layer for K and one for V, calibrated on the first K/V
-written to that layer (its absolute maximum, with ``FP8_HEADROOM`` to spare) and fixed from then on,
-since the blocks already written were quantized with it. The scales live on the device (``scales``,
-read by the torch backend without a sync) and in a host mirror (``host_scales``, passed to FlashInfer
-as floats); calibrating a layer costs one device-to-host read, once. Later K/V beyond a layer's range
-are clamped to it; ``clamped_writes()`` counts the writes where that happened. One lock orders
-everything that sets a layer's scales (a first write calibrating, an import adopting a stored
-block's scales, a reset) against everything that decides on them (imports, exports): a layer's
-scales are set exactly once, device first, host mirror second, and a block is never quantized with
-one scale and read with another.
+fp8 storage (e4m3) keeps one scale per layer for K and one for V (``radixcache.kv.fp8_scales``:
+calibrated on the first K/V written to the layer, or adopted from an imported block, then fixed; on
+the device as ``scales`` and in a host mirror, ``host_scales``). Its lock orders a first write's
+calibration against an import adopting scales and an export reading them.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from radixcache.kv.payload import FP8_MAX, fp8_in_scales, write_payload
+from radixcache.kv.fp8_scales import FP8_HEADROOM, LayerScales
 from radixcache.kv.geometry import kv_bytes_per_token
+from radixcache.kv.payload import FP8_MAX, fp8_in_scales, write_payload
 from radixcache.store import BlockKV
 
-FP8_HEADROOM = 4.0  # calibration puts the first write's amax at FP8_MAX / FP8_HEADROOM
+__all__ = ["FP8_HEADROOM", "FP8_MAX", "KVPool", "resolve_kv_dtype"]
 
 
 def resolve_kv_dtype(kv_dtype, model_dtype: torch.dtype) -> torch.dtype:
@@ -99,10 +93,8 @@ class KVPool:
         self._chunked = [(chunked(k), chunked(v)) for k, v in zip(self.keys, self.values)]
         self._head_ids = torch.arange(num_kv_heads, device=self.device)
         self._head_slots = self._head_ids * block_size
-        self.scales = torch.zeros(num_layers, 2, dtype=torch.float32, device=self.device)  # 0: not set
-        self._host_scales: list = [None] * num_layers  # (k, v) floats once the layer is calibrated
-        self._clamped = torch.zeros(num_layers, 2, dtype=torch.int64, device=self.device)
-        self._scale_lock = threading.Lock()
+        self.fp8 = LayerScales(num_layers, self.device)
+        self.scales = self.fp8.device_scales  # [layers, 2] float32, 0.0: not set
 
     @property
     def bytes_per_token(self) -> int:
@@ -161,12 +153,9 @@ class KVPool:
         if self.quantized:
             if not keys.numel():
                 return
-            if self._host_scales[layer] is None:
-                with self._scale_lock:  # an import may be adopting this layer's scales right now
-                    if self._host_scales[layer] is None:
-                        self._calibrate(layer, keys, values)
-            keys = self._quantize(layer, 0, keys)  # the layer's scales are fixed from here on
-            values = self._quantize(layer, 1, values)
+            self.fp8.ensure(layer, keys, values)  # fixed from here on, whoever set them
+            keys = self.fp8.quantize(layer, 0, keys)
+            values = self.fp8.quantize(layer, 1, values)
         else:
             keys = keys.to(self.storage_dtype)
             values = values.to(self.storage_dtype)
@@ -185,7 +174,8 @@ class KVPool:
         keys = flat_k.index_select(0, slots).view(*rows.shape, self.num_kv_heads, -1)
         values = flat_v.index_select(0, slots).view(*rows.shape, self.num_kv_heads, -1)
         if self.quantized:
-            return self._dequantize(layer, 0, keys), self._dequantize(layer, 1, values)
+            return (self.fp8.dequantize(layer, 0, keys, self.dtype),
+                    self.fp8.dequantize(layer, 1, values, self.dtype))
         if self.storage_dtype != self.dtype:
             return keys.to(self.dtype), values.to(self.dtype)
         return keys, values
@@ -202,7 +192,7 @@ class KVPool:
             if zero_slots is not None:
                 gathered.index_fill_(0, zero_slots, 0)
             if self.quantized:
-                gathered = self._dequantize(layer, j, gathered)
+                gathered = self.fp8.dequantize(layer, j, gathered, self.dtype)
             elif self.storage_dtype != self.dtype:
                 gathered = gathered.to(self.dtype)
             out.append(gathered)
@@ -210,24 +200,21 @@ class KVPool:
 
     def host_scales(self, layer: int) -> tuple[float, float]:
         """The fp8 (K, V) scales of ``layer`` as host floats (0.0 before the layer is calibrated)."""
-        return self._host_scales[layer] or (0.0, 0.0)
+        return self.fp8.host(layer)
 
     def calibrated_layers(self) -> int:
         """How many layers have fp8 scales calibrated on real K/V (0 for unquantized pools)."""
-        return sum(s is not None for s in self._host_scales) if self.quantized else 0
+        return self.fp8.calibrated_layers() if self.quantized else 0
 
     def reset_calibration(self) -> None:
         """Forget every fp8 scale and clamp count: the next write to each layer calibrates it again.
         Only valid while no block holds K/V that must be read back (e.g. after a self-test)."""
-        with self._scale_lock:
-            self._host_scales = [None] * self.num_layers
-            self.scales.zero_()
-            self._clamped.zero_()
+        self.fp8.reset()
 
     def clamped_writes(self) -> int:
         """Writes (per layer, K and V counted apart) whose values exceeded the fp8 range and were
         clamped; 0 for unquantized pools. Reads a device value: call it between steps, not per layer."""
-        return int(self._clamped.sum()) if self.quantized else 0
+        return self.fp8.clamped_writes() if self.quantized else 0
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy every layer's K/V of block ``src`` into block ``dst`` (copy on write)."""
@@ -255,7 +242,7 @@ class KVPool:
                                 .reshape(len(blocks), -1) for t in pair], dim=1)
                      for pair in zip(self.keys, self.values)]
         raw = torch.stack(per_layer, dim=1).cpu().numpy()  # [blocks, layers, K bytes + V bytes]
-        with self._scale_lock:
+        with self.fp8.lock:
             scales = tuple(x for layer in range(self.num_layers) for x in self.host_scales(layer)) \
                 if self.quantized else ()
         return [BlockKV(raw[i].reshape(-1), self._dtype_name, self._block_shape, scales)
@@ -280,14 +267,14 @@ class KVPool:
             raise ValueError(f"block K/V is {src.size} bytes, expected {per_layer * self.num_layers}")
         if not self.quantized and kv.scales:
             raise ValueError(f"{self._dtype_name} K/V carries no scales, got {len(kv.scales)}")
-        with self._scale_lock:  # decide on the scales, write, adopt: nothing calibrates between
+        with self.fp8.lock:  # decide on the scales, write, adopt: nothing calibrates between
             adopt = []
             if self.quantized:
                 k_elems = self.block_size * self.num_kv_heads * self.head_dim
-                src, adopt = fp8_in_scales(src, kv.scales, list(self._host_scales), k_elems)
+                src, adopt = fp8_in_scales(src, kv.scales, self.fp8.current(), k_elems)
             write_payload(self.keys, self.values, block, src)
             for layer, pair in adopt:
-                self._set_scales(layer, pair)
+                self.fp8.adopt(layer, pair)
 
     def _check_block(self, block: int) -> None:
         if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
@@ -303,27 +290,6 @@ class KVPool:
         layer); with K and V of different head dims, ``(..., head_dim, head_dim_v)``."""
         dims = (self.head_dim,) if self.head_dim == self.head_dim_v else (self.head_dim, self.head_dim_v)
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, *dims)
-
-    def _quantize(self, layer: int, kv: int, x: torch.Tensor) -> torch.Tensor:
-        scaled = x.float() / self.scales[layer, kv]
-        self._clamped[layer, kv] += scaled.abs().amax() > FP8_MAX
-        return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-
-    def _calibrate(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Set the K and V scales of ``layer`` from its first real write (one host read); the
-        caller holds the scale lock."""
-        amax = torch.stack([keys.detach().abs().amax(), values.detach().abs().amax()]).float().tolist()
-        self._set_scales(layer, [max(a * FP8_HEADROOM / FP8_MAX, 1e-8) for a in amax])
-
-    def _set_scales(self, layer: int, pair) -> None:
-        """The device scales of ``layer``, then their host mirror, equal to the last bit (float32):
-        a writer that sees the mirror set finds the device scales set. The caller holds the lock."""
-        exact = torch.tensor(list(pair), dtype=torch.float32)
-        self.scales[layer].copy_(exact)
-        self._host_scales[layer] = tuple(exact.tolist())
-
-    def _dequantize(self, layer: int, kv: int, q: torch.Tensor) -> torch.Tensor:
-        return (q.view(torch.float8_e4m3fn).to(torch.float32) * self.scales[layer, kv]).to(self.dtype)
 
     def __repr__(self) -> str:
         dims = self.head_dim if self.head_dim == self.head_dim_v else f"{self.head_dim}/{self.head_dim_v}"
