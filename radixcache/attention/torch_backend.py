@@ -21,6 +21,10 @@ import torch.nn.functional as F
 from radixcache.attention.plan import StepPlan, device_tensor, shared_blocks
 
 
+# torch's fused CPU flash attention, which also returns the log-sum-exp (None if this torch lacks it)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def causal_mask(q_pos: torch.Tensor, kv_len: torch.Tensor | int, width: int,
                 sliding_window: int | None) -> torch.Tensor:
     """Boolean ``[..., n, width]`` mask: key j is visible to a query at absolute position p when
@@ -165,23 +169,15 @@ class TorchStepState:
             self._masks[key] = _as(mask, dtype)
         return self._masks[key]
 
-    def tail_mask(self, dtype) -> torch.Tensor:
-        """``[S, 1, 1, width]`` additive mask (in ``dtype``) of the decodes' own tails past
-        ``shared_len``: a tail's padding past its sequence's end is hidden."""
-        key = ("tail", dtype)
+    def decode_mask(self, sliding_window: int | None, dtype, start: int = 0) -> torch.Tensor:
+        """``[S, 1, 1, max_decode_len - start]`` mask of the decode segments over their context
+        from position ``start`` (0, or ``shared_len`` for the cascade's own tails: a tail's padding
+        past its sequence's end is hidden); additive in ``dtype``, bool for None."""
+        key = ("decode", sliding_window, dtype, start)
         if key not in self._masks:
-            width = self.max_decode_len - self.shared_len
-            valid = torch.arange(width, device=self.table.device) < (self.decode_lens - self.shared_len)[:, None]
-            self._masks[key] = _as(valid[:, None, None, :], dtype)
-        return self._masks[key]
-
-    def decode_mask(self, sliding_window: int | None, dtype) -> torch.Tensor:
-        """``[S, 1, 1, max_decode_len]`` mask of the decode segments over their whole context
-        (additive in ``dtype``; bool for None)."""
-        key = ("decode", sliding_window, dtype)
-        if key not in self._masks:
-            mask = causal_mask((self.decode_lens - 1)[:, None], self.decode_lens,
-                               self.max_decode_len, sliding_window)[:, None]
+            lens = self.decode_lens - start
+            mask = causal_mask((lens - 1)[:, None], lens, self.max_decode_len - start,
+                               sliding_window)[:, None]
             self._masks[key] = _as(mask, dtype)
         return self._masks[key]
 
@@ -255,7 +251,7 @@ class TorchBackend:
         context = state.context(state.shared_len)
         k, v = context.read(pool, layer)  # [S, Hkv, W, d]
         out_s, lse_s = attend_with_lse(q.view(s, kv_heads, groups, dim), k, v,
-                                       state.tail_mask(q.dtype), scale)
+                                       state.decode_mask(None, q.dtype, state.shared_len), scale)
         out_s, lse_s = out_s.reshape(s, heads, dim_v).float(), lse_s.reshape(s, heads)
         share = torch.sigmoid(lse_p - lse_s)[..., None]  # the prefix's share of the softmax mass
         return torch.lerp(out_s, out_p.float(), share).to(q.dtype)
@@ -272,8 +268,6 @@ def attend_with_lse(q, k, v, mask, scale):
     valid = None if mask is None else mask == 0
     return _softmax_attend(q.float(), k.float(), v.float(), valid, scale)
 
-
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _softmax_attend(q, k, v, valid, scale):
