@@ -166,11 +166,20 @@ def test_from_config_deepseek_mla_dict_matches_preset():
 
 
 def test_from_config_falcon_kv_heads():
-    """Falcon's new decoder architecture caches every query head; its original multi-query one
-    caches one."""
+    """A Falcon config.json: the new decoder architecture caches its ``num_kv_heads`` KV groups
+    (transformers >= 5.25; every query head when it has none), the original multi-query layout one
+    head, the multi-head one every head; the config object agrees with the dict."""
+    import transformers as tf
+
     base = {"model_type": "falcon", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
-    assert from_config(dict(base, new_decoder_architecture=True, num_kv_heads=2)).kv_heads == 4
-    assert from_config(dict(base, new_decoder_architecture=False, multi_query=True)).kv_heads == 1
+    layouts = [(dict(new_decoder_architecture=True, num_kv_heads=2), 2),
+               (dict(new_decoder_architecture=True), 4),
+               (dict(new_decoder_architecture=False, multi_query=True), 1),
+               (dict(new_decoder_architecture=False, multi_query=False), 4)]
+    for fields, kv_heads in layouts:
+        assert from_config(dict(base, **fields)).kv_heads == kv_heads, fields
+        config = tf.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **fields)
+        assert from_config(config).kv_heads == kv_heads, fields
 
 
 def test_from_config_rejects_missing_fields_and_wrong_types():

@@ -152,3 +152,17 @@ def test_radixcache_serve_refuses_an_alibi_model_with_the_reason(tmp_path):
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 1, result.stderr
     assert "ALiBi position bias (Bloom)" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_layers_caching_different_shapes_are_named_and_fall_back(caplog):
+    """Gemma 4 caches K/V of one head dim in its sliding layers and another in its global ones:
+    one pool cannot hold both, so ``wrap`` names the shapes (found by running the model's own
+    forward, not guessed from the config) and every entry point answers as plain transformers."""
+    model = build(lambda: tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(
+        head_dim=16, global_head_dim=32, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16, **HEADS)))
+    lm = radixcache.wrap(model)
+    assert lm.unsupported == ("the paged KV path cannot serve this model: the layers of "
+                              "Gemma4ForCausalLM cache K/V of different shapes (heads, head_dim, "
+                              "head_dim_v) [(2, 16, 16), (2, 32, 32)]: one pool cannot hold them")
+    assert_served_plainly(model, lm, lm.unsupported, caplog)

@@ -38,8 +38,10 @@ def kv_geometry(config) -> KVGeometry:
 
     MLA models (a ``kv_lora_rank``: DeepSeek-V2/V3, Kimi K2) expand their compressed latent into
     per-head K (``qk_nope_head_dim + qk_rope_head_dim``) and V (``v_head_dim``) right before
-    attention; that is what the pool holds for them. Falcon caches K/V per query head (its new
-    decoder architecture expands the KV groups before caching), or one head (multi-query).
+    attention; that is what the pool holds for them. Falcon's config names its cached heads
+    ``num_key_value_heads`` (its KV groups, or 1 for the original multi-query layout) since
+    transformers 5.25. The wrapper sizes its pool by ``cached_kv_geometry`` (what the forward
+    caches); this is the estimate from the config alone.
     ``ValueError`` for a config without attention heads (Mamba, RWKV: there is no K/V to page).
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -50,13 +52,36 @@ def kv_geometry(config) -> KVGeometry:
     if getattr(config, "kv_lora_rank", None) is not None:
         return KVGeometry(int(layers), int(heads),
                           int(config.qk_nope_head_dim + config.qk_rope_head_dim), int(config.v_head_dim))
-    if getattr(config, "model_type", None) == "falcon":
-        old_mqa = not config.new_decoder_architecture and config.multi_query
-        kv_heads = 1 if old_mqa else heads
-    else:
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return KVGeometry(int(layers), int(kv_heads), int(head_dim), int(head_dim))
+
+
+def cached_kv_geometry(model) -> KVGeometry:
+    """The ``KVGeometry`` the model's own forward caches: two tokens through it with a fresh
+    ``DynamicCache``, then each layer's cached key and value shapes. This is what the pool must
+    hold, whatever the config implies (transformers 5.25 changed what Falcon's new decoder
+    architecture caches from every query head to its KV groups). ``kv_geometry(model.config)``
+    when the forward fails or caches no K/V (the self-test then names the failure);
+    ``ValueError`` when the layers cache different shapes (one pool holds one geometry)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids = torch.zeros((1, 2), dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache, use_cache=True)
+        shapes = {(k.shape[1], k.shape[-1], v.shape[-1]) for k, v in
+                  ((layer.keys, layer.values) for layer in cache.layers)}
+    except Exception:  # noqa: BLE001 - the self-test runs the same forward and names the error
+        return kv_geometry(model.config)
+    if not shapes:
+        return kv_geometry(model.config)
+    if len(shapes) > 1:
+        raise ValueError(f"the layers of {type(model).__name__} cache K/V of different shapes "
+                         f"(heads, head_dim, head_dim_v) {sorted(shapes)}: one pool cannot hold them")
+    (heads, head_dim, head_dim_v), = shapes
+    return KVGeometry(len(cache.layers), int(heads), int(head_dim), int(head_dim_v))
 
 
 def _config_json(config) -> str:

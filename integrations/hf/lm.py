@@ -20,7 +20,7 @@ from radixcache.integrations.hf import batch as batch_path
 from radixcache.integrations.hf.attention import UnsupportedAttention, install
 from radixcache.integrations.hf.fallback import passed_cache_reason, plain_generate
 from radixcache.integrations.hf.generate import generate_paged, unsupported_call
-from radixcache.integrations.hf.identity import kv_geometry, model_identity
+from radixcache.integrations.hf.identity import cached_kv_geometry, model_identity
 from radixcache.integrations.hf.inputs import (check_wrap_arguments, checked_generation_config,
                                                checked_keep, passed_caches, prompt_tensors,
                                                split_mapping)
@@ -88,10 +88,15 @@ class CachedLM:
         if self.unsupported is None:
             self.backend = resolve_backend(attention, self.device, self.dtype, storage)
             self.runner = HFModelRunner(model, self.vocab_size, self.device, self.model_id)
-            install(model)
-            geometry = kv_geometry(model.config)
-            make_pool = pool_maker(geometry, block_size, self.dtype, self.device, kv_dtype)
-            self.unsupported, self.engine_unsupported = run_self_tests(self, make_pool)
+            try:
+                geometry = cached_kv_geometry(model)
+            except ValueError as e:
+                reason = f"the paged KV path cannot serve this model: {e}"
+                self.unsupported = self.engine_unsupported = reason
+            else:
+                install(model)
+                make_pool = pool_maker(geometry, block_size, self.dtype, self.device, kv_dtype)
+                self.unsupported, self.engine_unsupported = run_self_tests(self, make_pool)
         if self.unsupported and self.engine_unsupported:
             self.manager = CacheManager(1, block_size)  # the ledger (fallbacks) only: no pool
         else:

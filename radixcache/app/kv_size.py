@@ -254,8 +254,10 @@ def from_config(config, name: str | None = None) -> KVShape:
 
     query_heads = _required(config, "attention head count", "num_attention_heads", "n_head")
     kv_heads = _field(config, "num_key_value_heads")
-    if kv_heads is None and _field(config, "multi_query") and not _field(config, "new_decoder_architecture"):
-        kv_heads = 1  # Falcon's original multi-query layout (its new one caches every query head)
+    if kv_heads is None and _field(config, "new_decoder_architecture"):
+        kv_heads = _field(config, "num_kv_heads")  # Falcon's grouped layout caches its KV groups
+    elif kv_heads is None and _field(config, "multi_query"):
+        kv_heads = 1  # Falcon's original multi-query layout
     kv_heads = query_heads if kv_heads is None else check_int(kv_heads, "num_key_value_heads", 1)
     head_dim = _field(config, "head_dim")
     if head_dim is None:
