@@ -16,6 +16,8 @@ instead of computing something else.
 from __future__ import annotations
 
 import sys
+import threading
+from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
@@ -28,6 +30,22 @@ from radixcache.integrations.hf.cache import PREFIX, PagedOffset, take_planned
 # keyword arguments the backends implement or that carry nothing attention needs
 HANDLED = {"scaling", "sliding_window", "softcap", "dropout", "is_causal", "position_ids",
            "cache_position", "output_attentions", "use_cache", "position_embeddings"}
+
+
+_RECORDING = threading.local()
+
+
+@contextmanager
+def recording_kv_shapes():
+    """Within it, every call of this thread to an installed attention hook (planned or not) appends
+    ``(kv heads, K head dim, V head dim)`` of the key and value it is handed to the yielded list:
+    what a paged pool must hold for that layer, whatever the model caches before it."""
+    shapes: list = []
+    _RECORDING.shapes = shapes
+    try:
+        yield shapes
+    finally:
+        _RECORDING.shapes = None
 
 
 class UnsupportedAttention(CacheError):
@@ -66,6 +84,9 @@ def unsupported_arguments(module, attention_mask, kwargs) -> str | None:
 
 def _make_attention(original: str):
     def paged_attention(module, query, key, value, attention_mask, **kwargs):
+        recording = getattr(_RECORDING, "shapes", None)
+        if recording is not None:
+            recording.append((key.shape[1], key.shape[-1], value.shape[-1]))
         planned = take_planned(query, key)
         if planned is None:
             return _original_function(original, module)(module, query, key, value, attention_mask,

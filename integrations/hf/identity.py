@@ -40,8 +40,8 @@ def kv_geometry(config) -> KVGeometry:
     per-head K (``qk_nope_head_dim + qk_rope_head_dim``) and V (``v_head_dim``) right before
     attention; that is what the pool holds for them. Falcon's config names its cached heads
     ``num_key_value_heads`` (its KV groups, or 1 for the original multi-query layout) since
-    transformers 5.25. The wrapper sizes its pool by ``cached_kv_geometry`` (what the forward
-    caches); this is the estimate from the config alone.
+    transformers 5.25. This is the estimate from the config alone; the wrapper sizes its pool by
+    ``cached_kv_geometry`` (what the model's own forward shows).
     ``ValueError`` for a config without attention heads (Mamba, RWKV: there is no K/V to page).
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -58,30 +58,37 @@ def kv_geometry(config) -> KVGeometry:
 
 
 def cached_kv_geometry(model) -> KVGeometry:
-    """The ``KVGeometry`` the model's own forward caches: two tokens through it with a fresh
-    ``DynamicCache``, then each layer's cached key and value shapes. This is what the pool must
-    hold, whatever the config implies (transformers 5.25 changed what Falcon's new decoder
-    architecture caches from every query head to its KV groups). ``kv_geometry(model.config)``
-    when the forward fails or caches no K/V (the self-test then names the failure);
-    ``ValueError`` when the layers cache different shapes (one pool holds one geometry)."""
+    """The ``KVGeometry`` a paged pool must hold for ``model``, read off a two-token forward of its
+    own (after ``attention.install(model)``): the key and value shapes its attention hook is handed
+    (``recording_kv_shapes``, one call per layer), or, for a model that computes attention itself (dense, e.g. Falcon),
+    those its ``DynamicCache`` layers hold. Not guessed from the config: transformers 5.25 changed
+    what Falcon's new decoder architecture caches (its KV groups, not every query head) and made
+    MLA models cache their latent, which they expand before attention (the hook sees per-head K/V).
+    ``kv_geometry(model.config)`` when the forward fails or shows no K/V (the self-test then names
+    the failure); ``ValueError`` when layers differ in shape (one pool holds one geometry)."""
     from transformers import DynamicCache
+
+    from radixcache.integrations.hf.attention import recording_kv_shapes
+    from radixcache.integrations.hf.cache import hooked
 
     cache = DynamicCache(config=model.config)
     ids = torch.zeros((1, 2), dtype=torch.long, device=next(model.parameters()).device)
     try:
-        with torch.no_grad():
+        with recording_kv_shapes() as seen, torch.no_grad():
             model(input_ids=ids, cache=cache, use_cache=True)
-        shapes = {(k.shape[1], k.shape[-1], v.shape[-1]) for k, v in
-                  ((layer.keys, layer.values) for layer in cache.layers)}
+        if not hooked(model):
+            seen = [(k.shape[1], k.shape[-1], v.shape[-1]) for k, v in
+                    ((layer.keys, layer.values) for layer in cache.layers)]
     except Exception:  # noqa: BLE001 - the self-test runs the same forward and names the error
         return kv_geometry(model.config)
+    shapes = {tuple(int(n) for n in shape) for shape in seen}
     if not shapes:
         return kv_geometry(model.config)
     if len(shapes) > 1:
         raise ValueError(f"the layers of {type(model).__name__} cache K/V of different shapes "
                          f"(heads, head_dim, head_dim_v) {sorted(shapes)}: one pool cannot hold them")
     (heads, head_dim, head_dim_v), = shapes
-    return KVGeometry(len(cache.layers), int(heads), int(head_dim), int(head_dim_v))
+    return KVGeometry(len(seen), heads, head_dim, head_dim_v)
 
 
 def _config_json(config) -> str:

@@ -88,13 +88,13 @@ class CachedLM:
         if self.unsupported is None:
             self.backend = resolve_backend(attention, self.device, self.dtype, storage)
             self.runner = HFModelRunner(model, self.vocab_size, self.device, self.model_id)
+            install(model)
             try:
                 geometry = cached_kv_geometry(model)
             except ValueError as e:
                 reason = f"the paged KV path cannot serve this model: {e}"
                 self.unsupported = self.engine_unsupported = reason
             else:
-                install(model)
                 make_pool = pool_maker(geometry, block_size, self.dtype, self.device, kv_dtype)
                 self.unsupported, self.engine_unsupported = run_self_tests(self, make_pool)
         if self.unsupported and self.engine_unsupported:
