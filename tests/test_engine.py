@@ -216,27 +216,33 @@ def test_abandoned_stream_releases_when_dropped(model):
 
 
 def test_model_error_mid_forward_leaves_cache_consistent(model, monkeypatch):
-    """A forward that raises half way: the error propagates; nothing pinned or leaked; the tree only
-    holds sound prefixes (a later run still gives exact outputs)."""
+    """A forward that raises once, half way: the engine runs the step again in halves, so every
+    output is still exact. One that keeps raising: the error propagates; nothing pinned or leaked;
+    the tree only holds sound prefixes (a later run still gives exact outputs)."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
-    calls = {"n": 0}
+    calls = {"n": 0, "broken": False}
     original = type(model).forward
 
     def flaky(self, *args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 3 or calls["broken"]:
             raise RuntimeError("device fell over")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(model), "forward", flaky)
     prompts = mixed_prompts(2)
+    want = [plain_continuation(model, p, 6) for p in prompts]
+    monkeypatch.setattr(type(model), "forward", flaky)
+    assert [g[0] for g in lm.generate_batch(prompts, max_new_tokens=6)] == want
+    assert calls["n"] > 3 and lm.cache.leaks() == []
+    lm.clear()
+    calls["broken"] = True
     with pytest.raises(RuntimeError, match="fell over"):
         lm.generate_batch(prompts, max_new_tokens=6)
     monkeypatch.setattr(type(model), "forward", original)
     assert lm.cache.pinned_blocks == 0 and lm.cache.leaks() == []
     lm.cache.check()
     got = lm.generate_batch(prompts, max_new_tokens=6)
-    assert [g[0] for g in got] == [plain_continuation(model, p, 6) for p in prompts]
+    assert [g[0] for g in got] == want
 
 
 @pytest.mark.parametrize("prompts, kwargs, error", [

@@ -44,9 +44,10 @@ def test_requests_join_between_steps_and_finish_with_reasons(model):
     assert all(isinstance(e, Event) for e in events)
 
 
-def test_abort_releases_blocks_at_once_and_reports(model):
-    """abort() between steps releases the request's blocks immediately (what it computed stays
-    cached); the next step reports one "abort" event per unfinished sample."""
+def test_abort_only_queues_and_flush_releases_blocks_at_once(model):
+    """abort() only queues (it never touches the cache); flush() between steps then releases the
+    request's blocks (what it computed stays cached); the next step reports one "abort" event per
+    unfinished sample."""
     lm = radixcache.wrap(model, block_size=BS, max_cache_tokens=2048)
     engine = lm.new_engine()
     prompt = random_ids(21, 3)[0].tolist()
@@ -54,7 +55,10 @@ def test_abort_releases_blocks_at_once_and_reports(model):
     engine.step()
     engine.step()
     assert lm.cache.pinned_blocks > 0
+    pinned = lm.cache.pinned_blocks
     assert engine.abort("x") is True
+    assert lm.cache.pinned_blocks == pinned
+    assert engine.flush() is True
     assert lm.cache.pinned_blocks == 0 and lm.cache.leaks() == []
     assert lm.stats()["cached_tokens"] >= 20
     events = engine.step()

@@ -43,6 +43,7 @@ def _abandon(engine, unfinished: set) -> None:
     for request_id in list(unfinished):
         engine.abort(request_id)
     unfinished.clear()
+    engine.flush()  # their blocks now, unless another thread steps (its step applies the aborts)
 
 
 class BatchRun:

@@ -14,7 +14,7 @@ from typing import Iterator
 
 
 class Inbox:
-    """Queued ``("add", live, tokens)`` and ``("abort", request_id, sample)`` items, in arrival
+    """Queued ``("add", live, tokens, fetched)`` and ``("abort", request_id, sample)`` items, in arrival
     order, and the ids of requests added and not yet released."""
 
     def __init__(self):
@@ -30,14 +30,14 @@ class Inbox:
         """True when ``request_id`` was added and not yet released."""
         return request_id in self._in_use
 
-    def put_add(self, request_id, live, tokens) -> None:
-        """Mark ``request_id`` in use and queue its add; ``ValueError`` (nothing queued) when it is
-        already in use."""
+    def put_add(self, request_id, live, tokens, fetched=None) -> None:
+        """Mark ``request_id`` in use and queue its add (with the store's blocks ``fetched`` for
+        it, if any); ``ValueError`` (nothing queued) when it is already in use."""
         with self._lock:
             if request_id in self._in_use:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._in_use.add(request_id)
-            self._queue.append(("add", live, tokens))
+            self._queue.append(("add", live, tokens, fetched))
 
     def put_abort(self, request_id, sample) -> bool:
         """Queue an abort of ``request_id`` (``sample`` None for all its samples); False (nothing

@@ -11,10 +11,12 @@ True; its ``finish_reason`` says why:
 - ``"length"``: ``max_new_tokens`` were generated, or the sequence outgrew the whole KV pool;
 - ``"abort"``: ``Engine.abort`` was called (the event carries no token);
 - ``"prefilled"``: a ``prefill_only`` request has its prompt's K/V in the cache (no token);
-- ``"error"``: the model failed in a step this request was part of (``error`` says how; what
-  earlier steps computed stays cached, nothing stays held; ``Engine.last_error`` is the exception),
-  or a constrained sample's grammar refused the chosen token (the mask makes that impossible; the
-  sample ends rather than go on off its grammar).
+- ``"error"``: this request's own failure, and nobody else's (``error`` says what; what earlier
+  steps computed stays cached, nothing stays held; ``Engine.last_error`` is the exception): the
+  model raised on a step even with this request alone in it, the sample's logits held NaN or +inf,
+  no token was allowed (a grammar's mask left nothing), or a constrained sample's grammar refused
+  the chosen token (the mask makes that impossible; the sample ends rather than go on off its
+  grammar).
 
 Types here are plain data: they import no model code and are safe to pass between threads.
 """
@@ -38,6 +40,9 @@ FINISH_PREFILLED = "prefilled"
 FINISH_ERROR = "error"
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_PREFILLED, FINISH_ERROR)
 MAX_TOP_LOGPROBS = 20
+# Below this temperature sampling is greedy (vLLM's rule): the tempered distribution is one token
+# up to float32 precision, and dividing logits by it would overflow.
+MIN_TEMPERATURE = 1e-5
 
 
 def _int(name: str, value, low: int) -> int:
@@ -69,7 +74,11 @@ class SamplingParams:
     to every id of the prompt and of the sample, greedy or not, as in transformers.
     ``do_sample=False`` is greedy (the knobs below are then ignored); sampling applies, in
     transformers' order, ``temperature`` (> 0), ``top_k`` (0 is off), ``top_p`` (in (0, 1]) and
-    ``min_p`` (in [0, 1); 0 is off). ``stop_token_ids`` end a sample
+    ``min_p`` (in [0, 1); 0 is off). Every valid value gives a token of the vocabulary; at the
+    extremes: a temperature below ``MIN_TEMPERATURE`` is greedy (``greedy``), ``top_k`` at or above
+    the vocabulary is off, and the most likely token always survives ``top_p`` and ``min_p`` (a
+    ``top_p`` near 0 or a ``min_p`` near 1 keeps it alone); a repetition penalty that would push a
+    logit past float32's range stops at its largest finite value. ``stop_token_ids`` end a sample
     (EOS belongs here). ``n`` samples share the prompt's blocks. ``seed`` fixes each sample's own
     random stream: the same seed gives the same samples wherever the request sits in a batch
     (None: drawn from torch's global RNG when the request is added). ``logprobs`` (None: off; 0 to
@@ -88,6 +97,12 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Every token is the most likely one: ``do_sample`` is False or the temperature is below
+        ``MIN_TEMPERATURE``."""
+        return not self.do_sample or self.temperature < MIN_TEMPERATURE
 
     def __post_init__(self):
         set_ = object.__setattr__

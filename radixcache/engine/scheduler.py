@@ -276,7 +276,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def back_out(self, seqs) -> None:
-        """After a failed forward: ``seqs`` keep only what earlier steps computed."""
-        for seq in seqs:
-            self.finish(seq, keep=False)
+    def back_out(self, seq: Sequence) -> None:
+        """After a failure: ``seq`` ends keeping only what was committed before (no retention
+        hint). Its lease is let go even when this raises."""
+        self.finish(seq, keep=False)

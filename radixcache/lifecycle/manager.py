@@ -52,7 +52,7 @@ from radixcache.lifecycle.check import check_manager
 from radixcache.lifecycle.holds import adopt, hold_match, keep_tail, let_go, share
 from radixcache.lifecycle.lease import AttachedCounters, Lease, Ledger
 from radixcache.lifecycle.offers import OfferQueue, ReleasingLock
-from radixcache.lifecycle.prefetch import prefetch_from_store
+from radixcache.lifecycle.prefetch import Fetched, fetch_from_store, load_fetched
 from radixcache.lifecycle.supply import BlockSupply
 from radixcache.tokens import token_array
 from radixcache.tree import CacheStats, Namespace, RadixCache
@@ -212,9 +212,22 @@ class CacheManager:
 
     def prefetch(self, tokens: Sequence[int], namespace: Namespace = ()) -> int:
         """Load the store's blocks that follow the local match of ``tokens[:-1]`` into the tree;
-        returns the tokens loaded (see ``radixcache.lifecycle.prefetch``). Call it before ``admit``, without
-        holding ``mutex``: it waits on the network. Without a store it returns 0 at once."""
-        return prefetch_from_store(self, tokens, namespace)
+        returns the tokens loaded: ``load(fetch(tokens, namespace))`` on this thread. Call it before
+        ``admit``, without holding ``mutex``: it waits on the network. Without a store it returns
+        0 at once."""
+        return self.load(self.fetch(tokens, namespace))
+
+    def fetch(self, tokens: Sequence[int], namespace: Namespace = ()) -> Fetched | None:
+        """The store's blocks that follow the local match of ``tokens[:-1]``, read over the network
+        (any thread, without holding ``mutex``); nothing changes until ``load``. None when there is
+        nothing to load (or no store). See ``radixcache.lifecycle.prefetch``."""
+        return fetch_from_store(self, tokens, namespace)
+
+    def load(self, fetched: Fetched | None) -> int:
+        """Put what ``fetch`` read into the tree, as evictable blocks the next ``admit`` matches;
+        returns the tokens loaded (0 when the local prefix was evicted meanwhile or the pool is
+        full). The thread that owns the manager's changes calls it (the server's scheduler)."""
+        return load_fetched(self, fetched)
 
     def use_store(self, store) -> None:
         """Attach a shared store (or None); it needs the manager's pool and its block size."""
