@@ -9,6 +9,7 @@ and are re-exported here;
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -110,14 +111,18 @@ class LiveServer:
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="uvicorn-test", daemon=True)
+        self.loop = None  # the server's event loop, once it runs
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), name="uvicorn-test", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + startup_s
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve(sockets=[self.sock])
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -224,18 +229,18 @@ class Served:
     radixcache, the ``LocalEngine`` on it, the app under uvicorn on a free loopback port.
 
     ``options`` are ``ServeOptions`` fields; ``lm_options`` go to ``radixcache.wrap``;
-    ``engine_options`` to ``LocalEngine``. ``quiet()`` waits until the engine holds nothing (the
+    ``engine_options`` to ``LocalEngine``; ``model_class`` replaces ``ScriptedLlama`` (a subclass). ``quiet()`` waits until the engine holds nothing (the
     history precomputes included); ``assert_clean()`` then checks that no block or lock leaked.
     """
 
-    def __init__(self, model_dir, lm_options=None, engine_options=None, **options):
+    def __init__(self, model_dir, lm_options=None, engine_options=None, model_class=None, **options):
         import radixcache
         from radixcache.integrations.serve.app import create_app
         from radixcache.integrations.serve.local_engine import LocalEngine
         from radixcache.integrations.serve.options import ServeOptions
         from radixcache.integrations.serve.server import build_state
 
-        self.model = scripted_llama_class().from_pretrained(model_dir).eval()
+        self.model = (model_class or scripted_llama_class()).from_pretrained(model_dir).eval()
         self.model.script = {}
         self.lm = radixcache.wrap(self.model, **{"block_size": 16, "max_cache_tokens": 8192,
                                                  **(lm_options or {})})

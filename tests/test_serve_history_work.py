@@ -15,6 +15,8 @@ from radixcache.app.demo import build_system_prompt
 from radixcache.integrations.serve.chat_template import ChatRenderer
 from radixcache.integrations.serve.history import history_after_reply, history_tokens
 from radixcache.integrations.serve.history_index import HistoryIndex
+from radixcache.integrations.serve.history_work import PendingHistories
+from radixcache.integrations.serve.job import Conversation
 from radixcache.integrations.serve.render_thread import RenderThread
 from radixcache.integrations.serve.responses import assistant_message
 from serve_helpers import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK, Served, embedded_tokenizer, write_model_dir
@@ -72,8 +74,8 @@ class HeldSteps:
         self.added = threading.Event()
         engine, real_add, real_step = served.engine.engine, served.engine.engine.add, served.engine.engine.step
 
-        def add(request):
-            real_add(request)
+        def add(request, fetched=None):
+            real_add(request, fetched)
             if not str(request.request_id).startswith("history"):
                 self.added.set()
 
@@ -197,6 +199,49 @@ def test_prompts_go_ahead_of_history_work_on_the_render_thread():
     asyncio.run(run())
     thread.close()
     assert order == ["prompt", "history 0", "history 1", "history 2"]
+
+
+def test_a_history_a_client_waits_on_goes_ahead_of_every_queued_prompt():
+    """Issue 30 item 3: other sessions keep the render thread busy with prompts; a client that comes
+    back waits for its own history work (``PendingHistories.wait_for``), which is then promoted:
+    it runs right after the job already running, before the prompts queued ahead of it (it used to
+    wait behind all of them)."""
+    thread, order, hold = RenderThread(), [], threading.Event()
+    pending = PendingHistories(thread.promote)
+    conversation = Conversation([{"role": "user", "content": "hi"}])
+    following = Conversation(conversation.messages + [{"role": "assistant", "content": "yo"},
+                                                      {"role": "user", "content": "again"}])
+
+    async def history_work():
+        await thread.run_later(order.append, "history")
+
+    async def run():
+        busy = asyncio.ensure_future(thread.run(hold.wait))  # occupies the thread
+        await asyncio.sleep(0.05)
+        task = asyncio.ensure_future(history_work())
+        pending.add(task, conversation, None)
+        prompts = [asyncio.ensure_future(thread.run(order.append, f"prompt {i}")) for i in range(4)]
+        await asyncio.sleep(0.05)
+        assert thread.queued == (4, 1)
+        waiting = asyncio.ensure_future(pending.wait_for(following, None))
+        await asyncio.sleep(0.05)
+        assert thread.queued == (5, 0)  # promoted
+        hold.set()
+        await asyncio.gather(busy, waiting, *prompts)
+        # promoted before it queued its job: the job goes ahead at once
+        late = asyncio.ensure_future(history_work())
+        thread.promote(late)
+        hold.clear()
+        busy = asyncio.ensure_future(thread.run(hold.wait))
+        await asyncio.sleep(0.05)
+        prompt = asyncio.ensure_future(thread.run(order.append, "prompt late"))
+        await asyncio.sleep(0.05)
+        hold.set()
+        await asyncio.gather(busy, late, prompt)
+
+    asyncio.run(run())
+    thread.close()
+    assert order == ["history", "prompt 0", "prompt 1", "prompt 2", "prompt 3", "history", "prompt late"]
 
 
 class CountingRenderer(ChatRenderer):

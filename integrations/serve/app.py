@@ -2,7 +2,8 @@
 
 ``create_app(state)`` returns the ASGI app for a ``ServerState``. Routes:
 
-- ``GET /health``: 200 ``{"status": "ok"}`` when an engine is attached, else 503 (error shape);
+- ``GET /health``: 200 ``{"status": "ok"}`` when an engine is attached and its scheduler runs, else
+  503 (error shape);
 - ``GET /metrics``: Prometheus text (open, like vLLM's, for scrapers);
 - ``GET /openapi.json``: the OpenAPI document, every request body described by its model (open);
 - ``GET /v1/models`` (with each model's ``root`` and ``max_model_len``), ``GET /v1/loads`` (the
@@ -114,6 +115,8 @@ def create_app(state) -> FastAPI:
     async def health():
         if state.engine is None:
             raise unavailable("no generation engine is attached to this server")
+        if not getattr(state.engine, "alive", True):
+            raise unavailable("the engine's scheduler thread has stopped")
         return {"status": "ok"}
 
     @app.get("/metrics")

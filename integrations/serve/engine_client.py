@@ -10,7 +10,8 @@ Wiring the server to radixcache's engine is one module that implements this prot
 
 Threading: every method is called on the server's asyncio event loop and must return at once; the
 engine runs its forwards on its own scheduler thread and hands events back to the loop (e.g. with
-``loop.call_soon_threadsafe`` into an ``asyncio.Queue``). Nothing here may block on a forward.
+``loop.call_soon_threadsafe`` into an ``asyncio.Queue``). Nothing here may block on a forward, on
+the cache's lock or on a store.
 
 Contract of ``submit(request) -> AsyncIterator[Event]``:
 
@@ -36,9 +37,11 @@ Contract of ``submit(request) -> AsyncIterator[Event]``:
 ``abort(request_id, sample=None)`` ends one sample (the server's ``stop`` strings) or the whole
 request (client disconnect): its blocks are released at once (whole computed blocks stay in the
 tree), the stream yields the final "abort" events. It is idempotent and a no-op for unknown or
-finished requests. After ``abort`` the server may stop reading the stream (a client that went away):
-the engine must never wait on a reader, and drops the events nobody reads. ``counts()`` is a cheap
-snapshot for ``/metrics``; ``limits()`` is constant. ``close()`` aborts everything (every stream
+finished requests. It only enqueues: it returns at once, whatever the engine is doing. After
+``abort`` the server may stop reading the stream (a client that went away): the engine must never
+wait on a reader, and drops the events nobody reads. ``counts()`` is a snapshot for ``/metrics`` and
+``/v1/loads`` that takes no lock of the engine's (it may be a step old); ``limits()`` is constant;
+an engine may offer ``alive`` (False once it can serve nothing more: ``/health`` answers 503). ``close()`` aborts everything (every stream
 gets its final "abort" events), stops the scheduler thread and flushes what the engine owns; it is
 idempotent. An engine with a shared store may also offer ``store_stats() -> dict`` (its
 ``radixcache.store.STORE_COUNTERS``), exported in ``/metrics``, and one publishing KV events

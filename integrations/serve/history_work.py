@@ -12,7 +12,8 @@ next turn continues that conversation (``continues``).
 ``PendingHistories`` holds that work while it runs. A client may come back faster than it: before a
 chat request goes to the engine, ``wait_for(conversation, salt)`` waits for the history work of the
 conversations it continues (the same tools, and the earlier request's messages as its first
-messages: a render at most), so that its hit is checked against the form. The engine then holds it
+messages), promoting that work on the render thread ahead of every prompt, so that it waits for at
+most one render (the one running) plus its own, and its hit is checked against the form. The engine then holds it
 back only for a precompute already running; one that has not started yet it does not wait for
 (the request computes those blocks itself, and its short hit says ``not_precomputed``). Other
 sessions' work is never waited for.
@@ -56,10 +57,13 @@ async def precompute_history(state, job, generated_ids, reply: dict) -> None:
 
 
 class PendingHistories:
-    """The history work still running, by the conversation and tenant salt it follows."""
+    """The history work still running, by the conversation and tenant salt it follows.
+    ``promote(task)`` is called for the work a client starts waiting on (the render thread's
+    ``promote``: its rendering then goes ahead of every prompt)."""
 
-    def __init__(self):
+    def __init__(self, promote=None):
         self._work: dict = {}  # task -> (conversation, salt)
+        self._promote = promote
 
     def __len__(self) -> int:
         return len(self._work)
@@ -73,6 +77,9 @@ class PendingHistories:
         """Wait until no history work runs for a conversation that ``conversation`` continues."""
         waits = [task for task, (earlier, s) in self._work.items() if s == salt and continues(conversation, earlier)]
         if waits:
+            if self._promote is not None:
+                for task in waits:
+                    self._promote(task)
             await asyncio.wait(waits)
 
 

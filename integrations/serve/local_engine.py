@@ -2,18 +2,25 @@
 
 Threading model (the contract is ``engine_client.py``):
 
-- ONE scheduler thread owns the stepping of the engine. It runs ``engine.step()`` while the engine
-  has work and otherwise blocks on a condition (never spins); when waiting requests cannot run
-  because blocks are held outside the engine (a store prefetch loading blocks), it waits on the
-  same condition for a millisecond at a time.
-- The asyncio loop only calls ``engine.check`` / ``engine.add`` / ``engine.abort``, which take the
-  engine's inbox lock briefly and never wait on a forward, then notifies the condition. Requests
-  added between steps join the running batch at the next one.
+- ONE scheduler thread owns the engine and its ``CacheManager``: it is the only thread that changes
+  them. It runs ``engine.step()`` while the engine has work and otherwise blocks on a condition
+  (never spins); when waiting requests cannot run because blocks are held outside the engine, it
+  waits on the same condition for a millisecond at a time.
+- The asyncio loop only enqueues: ``engine.check`` (validation, no lock of the engine's),
+  ``engine.add`` and ``engine.abort`` (the inbox's lock, held for a queue append), then notifies the
+  condition; it never takes the manager's lock and never waits on a step. The scheduler thread
+  applies what was queued at its next step: an abort (a stop string, a disconnect) releases its
+  blocks there. Requests added between steps join the running batch at the next one.
+- ``counts()``, ``store_stats()``, ``events_stats()`` and ``alive`` (``/metrics``, ``/v1/loads``,
+  ``/health``) read an ``EngineSnapshot`` the scheduler thread publishes after every step and
+  every ``SNAPSHOT_IDLE_S`` while idle: no lock of the engine's or the manager's is taken to answer.
 - Events go back by request id: per step, one ``loop.call_soon_threadsafe`` per request puts its
   engine ``Event``s into that request's ``asyncio.Queue`` (unbounded: the thread never waits on a
   reader, and the events of a reader that went away are dropped with its route).
-- With a shared store, ``manager.prefetch`` (network) runs on a small thread pool before the
-  request is handed to the engine, so the scheduler thread never waits on the store.
+- With a shared store, ``manager.fetch`` (network) runs on a small thread pool before the request
+  is handed to the engine with what it read; the scheduler thread loads those blocks into the tree
+  when it takes the request (``Engine.add(request, fetched)``), so it never waits on the store and
+  the helper threads never change the tree.
 - ``compute_threads``: the scheduler thread is the process's one thread with torch's parallel CPU
   kernels (``radixcache.compute_threads``); prefetch threads run theirs serially. The caller keeps
   its own thread serial (``serial_here``) before loading the model, as ``radixcache serve`` does;
@@ -28,7 +35,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 from radixcache.compute_threads import parallel_here, serial_here
 from radixcache.engine import Request
@@ -41,7 +50,18 @@ from radixcache.store import STORE_COUNTERS
 logger = logging.getLogger("radixcache.serve")
 
 STALL_WAIT_S = 0.001  # blocks held outside the engine: look again this soon (or when notified)
+SNAPSHOT_IDLE_S = 0.25  # an idle scheduler republishes its snapshot this often (store counters move)
 PREFETCH_THREADS = 4
+
+
+class EngineSnapshot(NamedTuple):
+    """What the scheduler thread last published: the engine's counts, the shared store's and the
+    KV event publisher's counters (empty without them) and when (``time.monotonic``)."""
+
+    counts: EngineCounts
+    store: dict
+    events: dict
+    taken_at: float
 
 
 class LocalEngine:
@@ -75,6 +95,7 @@ class LocalEngine:
         self._wake = threading.Condition()
         self._closing = False
         self._close_task = None
+        self._snapshot = self._take_snapshot()  # replaced whole by the scheduler thread
         self._prefetch = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="radixcache-prefetch",
                                             initializer=serial_here)
         self._thread = threading.Thread(target=self._run, name="radixcache-scheduler", daemon=True)
@@ -103,13 +124,14 @@ class LocalEngine:
             self._routes[request.request_id] = route
         if self.manager.store is not None:
             namespace = self.lm.namespace(request.cache_salt)
-            self._prefetch.submit(self._prefetch_then_add, route, request, namespace)
+            self._prefetch.submit(self._fetch_then_add, route, request, namespace)
         else:
             self._add(route, request)
         return self._stream(route)
 
     def abort(self, request_id, sample: int | None = None) -> None:
-        """End ``sample`` (or the whole request) now; idempotent, a no-op when unknown."""
+        """End ``sample`` (or the whole request): queued for the scheduler thread, which releases
+        its blocks at its next step; returns at once. Idempotent, a no-op when unknown."""
         with self._lock:
             route = self._routes.get(request_id)
             if route is None:
@@ -129,29 +151,34 @@ class LocalEngine:
         with self._lock:
             return len(self._routes)
 
+    @property
+    def alive(self) -> bool:
+        """The scheduler thread runs (or ended because ``close`` asked it to)."""
+        return self._thread.is_alive() or self._closing
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The scheduler thread's last published ``EngineSnapshot`` (no lock taken)."""
+        return self._snapshot
+
     def counts(self) -> EngineCounts:
-        """Sequences running and waiting (requests still prefetching count as waiting), pool blocks
-        that cannot be had now (held by requests) of all, and the whole blocks the tree holds."""
-        sched = self.engine.scheduler
+        """Sequences running and waiting (requests still fetching from the store count as waiting),
+        pool blocks that cannot be had now (held by requests) of all, and the whole blocks the tree
+        holds: the scheduler's last snapshot, plus the routes not handed to the engine yet."""
         with self._lock:
-            prefetching = sum(1 for r in self._routes.values() if not r.added)
-        total = self.manager.allocator.num_blocks
-        freeable = self.manager.freeable_blocks()
-        with self.manager.mutex:
-            whole = self.manager.tree.whole_blocks
-        return EngineCounts(len(sched.running), len(sched.waiting) + prefetching, total - freeable,
-                            total, whole)
+            fetching = sum(1 for r in self._routes.values() if not r.added)
+        counts = self._snapshot.counts
+        return counts._replace(waiting=counts.waiting + fetching) if fetching else counts
 
     def store_stats(self) -> dict:
         """The shared store's counters (``store_hit_tokens``, ``store_written_blocks``, ...; see
-        ``radixcache.store.STORE_COUNTERS``) from the manager's stats (no pool read: a forward may
-        be in flight); empty without a store."""
-        return {k: v for k, v in self.lm.manager.stats().items() if k in STORE_COUNTERS}
+        ``radixcache.store.STORE_COUNTERS``) from the last snapshot; empty without a store."""
+        return self._snapshot.store
 
     def events_stats(self) -> dict:
         """The KV event publisher's counters (``kv_events_batches``, ``kv_events_dropped``, ...; see
-        ``KVEventPublisher.stats``), read from the manager's stats; empty without a publisher."""
-        return {k: v for k, v in self.lm.manager.stats().items() if k.startswith("kv_events_")}
+        ``KVEventPublisher.stats``) from the last snapshot; empty without a publisher."""
+        return self._snapshot.events
 
     async def close(self) -> None:
         """Abort everything, stop the scheduler thread (and close ``lm`` when it was asked to, which
@@ -182,25 +209,24 @@ class LocalEngine:
                             final["kv_events_batches"], final.get("kv_events_dropped", 0))
 
     # ------------------------------------------------------------------ handing over
-    def _prefetch_then_add(self, route: Route, request: Request, namespace) -> None:
+    def _fetch_then_add(self, route: Route, request: Request, namespace) -> None:
+        fetched = None
         try:
-            loaded = self.manager.prefetch(request.prompt, namespace)
-            if loaded:
-                logger.debug("request %s: %d prompt tokens loaded from the store", request.request_id, loaded)
+            fetched = self.manager.fetch(request.prompt, namespace)
         except Exception:  # noqa: BLE001 - a store problem is a miss, never a failed request
-            logger.exception("request %s: prefetch from the store failed", request.request_id)
-        self._add(route, request)
+            logger.exception("request %s: fetching from the store failed", request.request_id)
+        self._add(route, request, fetched)
 
-    def _add(self, route: Route, request: Request) -> None:
+    def _add(self, route: Route, request: Request, fetched=None) -> None:
         with self._lock:
             if route.aborted or self._routes.get(request.request_id) is not route:
-                return  # aborted while it was prefetching: its final events went out then
+                return  # aborted while it was fetching: its final events went out then
             if self._closing:
                 del self._routes[request.request_id]
                 route.push(route.closing(set(route.open), "abort"))
                 return
             try:
-                self.engine.add(request)
+                self.engine.add(request, fetched)
             except (TypeError, ValueError, OutOfBlocks) as exc:  # checked before; cannot happen twice
                 del self._routes[request.request_id]
                 route.push(route.closing(set(route.open), "error", str(exc)))
@@ -231,23 +257,46 @@ class LocalEngine:
             parallel_here(self._compute_threads)
         engine = self.engine
         while True:
-            with self._wake:
-                while not engine.has_work and not self._closing:
-                    self._wake.wait()
-                if self._closing and not engine.has_work:
+            if not engine.has_work:
+                self._publish()  # outside the condition's lock: the loop's notify never waits on it
+                if self._closing:
                     return
+                with self._wake:
+                    if not engine.has_work and not self._closing:
+                        self._wake.wait(SNAPSHOT_IDLE_S)
+                continue
             try:
                 events = engine.step()
-            except BaseException as exc:  # noqa: BLE001 - the engine ended its requests; tell readers
+            except BaseException as exc:  # noqa: BLE001 - a KeyboardInterrupt-like: the step's requests ended
                 logger.exception("engine step failed")
                 self._fail_all(f"{type(exc).__name__}: {exc}")
                 if not isinstance(exc, Exception):
+                    self._publish()
                     return
                 continue
+            self._publish()  # before the events go out: a reader that sees its end sees this step
             self._route(events)
             if not events and engine.stalled:
                 with self._wake:
                     self._wake.wait(STALL_WAIT_S)
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        """The engine's counts and counters now (on the scheduler thread, or before it starts)."""
+        manager, sched = self.manager, self.engine.scheduler
+        total = manager.allocator.num_blocks
+        with manager.mutex:
+            stats = manager.stats()
+            counts = EngineCounts(len(sched.running), len(sched.waiting), total - manager.freeable_blocks(),
+                                  total, manager.tree.whole_blocks)
+        return EngineSnapshot(counts, {k: v for k, v in stats.items() if k in STORE_COUNTERS},
+                              {k: v for k, v in stats.items() if k.startswith("kv_events_")},
+                              time.monotonic())
+
+    def _publish(self) -> None:
+        try:
+            self._snapshot = self._take_snapshot()
+        except Exception:  # noqa: BLE001 - the last snapshot stays; serving goes on
+            logger.exception("taking the engine's snapshot failed")
 
     def _route(self, events) -> None:
         by_route: dict = {}
@@ -271,3 +320,4 @@ class LocalEngine:
                 route.push(route.closing(set(route.open), "error", why))
         for route in routes:
             self.engine.abort(route.request.request_id)
+        self.engine.flush()  # on the scheduler thread, which owns the engine

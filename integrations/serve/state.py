@@ -89,9 +89,9 @@ class ServerState:
         self.attach_engine(engine)
         self.gate = AdmissionGate(options.max_in_flight)
         self.histories = HistoryIndex()
-        self.pending_histories = PendingHistories()
-        self.responses = ResponseStore()  # stored /v1/responses (previous_response_id, GET)
         self._render = RenderThread()
+        self.pending_histories = PendingHistories(self._render.promote)
+        self.responses = ResponseStore()  # stored /v1/responses (previous_response_id, GET)
         self._background: set = set()
         self._shutdown_task = None
         log_path = getattr(options, "log_token_ids", None)
@@ -122,7 +122,8 @@ class ServerState:
         return await self._render.run(fn, *args)
 
     async def render_later(self, fn, *args):
-        """``fn(*args)`` on the render thread once no prompt waits for it (history work)."""
+        """``fn(*args)`` on the render thread once no prompt waits for it (history work), unless a
+        client waits on the calling task's work (``pending_histories``): then ahead of every prompt."""
         return await self._render.run_later(fn, *args)
 
     def spawn(self, coroutine) -> asyncio.Task:
