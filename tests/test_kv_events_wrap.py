@@ -68,5 +68,7 @@ def test_a_publisher_object_and_bad_values(model):
         radixcache.wrap(model, block_size=BS, max_cache_tokens=256, kv_events=pub)
     with pytest.raises(TypeError, match="kv_events"):
         radixcache.wrap(model, block_size=BS, max_cache_tokens=256, kv_events=5557)
-    with pytest.raises(ValueError, match="cannot bind"):
+    with pytest.raises(ValueError, match="not a loopback address"):  # another transport: a network one
         radixcache.wrap(model, block_size=BS, max_cache_tokens=256, kv_events="udp://x")
+    with pytest.raises(ValueError, match="cannot bind"):
+        radixcache.wrap(model, block_size=BS, max_cache_tokens=256, kv_events="tcp://127.0.0.1:notaport")

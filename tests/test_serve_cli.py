@@ -23,7 +23,7 @@ def test_defaults_are_the_issues():
     assert (options.model, options.host, options.port, options.block_size) == (None, "127.0.0.1", 8000, 16)
     assert options.max_cache_tokens is None and options.chat_template is None and options.api_keys == ()
     assert options.max_queue >= 64 and options.max_in_flight == options.max_running + options.max_queue
-    assert options.history_precompute and not options.isolate_cache_by_key
+    assert options.history_precompute and not options.share_cache_across_keys
 
 
 def test_options_are_read_and_checked(tmp_path, monkeypatch):
@@ -33,11 +33,11 @@ def test_options_are_read_and_checked(tmp_path, monkeypatch):
     options = ServeOptions.from_args(parse("--model", str(model), "--port", "9001", "--max-cache-tokens", "4096",
                                            "--block-size", "32", "--chat-template", str(template),
                                            "--served-model-name", "a", "b", "--api-key", "k1", "--api-key", "k2",
-                                           "--isolate-cache-by-key", "--max-running", "8", "--max-queue", "100",
+                                           "--share-cache-across-keys", "--max-running", "8", "--max-queue", "100",
                                            "--no-history-precompute", "--store", "redis://127.0.0.1:6390/2"))
     assert options.chat_template == DRIFT_GENERATION_THINK and options.api_keys == ("k1", "k2")
     assert options.served_model_names == ("a", "b") and options.max_in_flight == 108
-    assert not options.history_precompute and options.isolate_cache_by_key
+    assert not options.history_precompute and options.share_cache_across_keys
     assert options.store == "redis://127.0.0.1:6390/2" and ServeOptions.from_args(parse()).store is None
     state = build_state(options)
     assert state.renderer.template == DRIFT_GENERATION_THINK  # --chat-template replaces the tokenizer's
@@ -45,7 +45,8 @@ def test_options_are_read_and_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXCACHE_API_KEY", "from-env")
     assert ServeOptions.from_args(parse()).api_keys == ("from-env",)
     bad = [(["--model", str(tmp_path)], "no config.json"), (["--chat-template", str(tmp_path / "none")], "chat-template"),
-           (["--isolate-cache-by-key"], "needs at least one --api-key"), (["--api-key", " "], "must not be empty"),
+           (["--share-cache-across-keys"], "needs at least one --api-key"), (["--api-key", " "], "must not be empty"),
+           (["--api-key", "k", "--isolate-cache-by-key", "--share-cache-across-keys"], "contradict"),
            (["--max-cache-tokens", "8"], "smaller than one block"), (["--store", "127.0.0.1:6379"], "redis://")]
     monkeypatch.delenv("RADIXCACHE_API_KEY")
     for argv, words in bad:

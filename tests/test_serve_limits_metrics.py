@@ -6,8 +6,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixcache.integrations.serve.engine_client import EngineCounts
 from radixcache.integrations.serve.errors import APIError
-from radixcache.integrations.serve.limits import (AdmissionGate, check_api_key, check_bearer, max_new_tokens,
-                                                  resolve_model, tenant_salt)
+from radixcache.integrations.serve.limits import (AdmissionGate, cache_salt, check_api_key, check_bearer, max_new_tokens,
+                                                  resolve_model, tenant_of)
 from radixcache.integrations.serve.metrics import ServerMetrics
 
 
@@ -38,11 +38,15 @@ def test_x_api_key_is_the_same_key():
     assert check_api_key(None, None, ()) is None
 
 
-def test_tenant_salt():
-    assert tenant_salt("k1", isolate=False) is None  # sharing off: one cache for all
-    a, b = tenant_salt("k1", True), tenant_salt("k2", True)
-    assert a != b and a == tenant_salt("k1", True) and len(a) == 32
-    assert "k1" not in a and tenant_salt(None, True) == tenant_salt("", True)
+def test_tenants_and_cache_salts():
+    assert tenant_of("k1", shared=True) is None  # --share-cache-across-keys: one cache for all
+    assert tenant_of(None, shared=False) is None  # a server without keys: one tenant
+    a, b = tenant_of("k1", False), tenant_of("k2", False)
+    assert a != b and a == tenant_of("k1", False) and len(a) == 32 and "k1" not in a
+    assert cache_salt(a, None) == a and cache_salt(None, None) is None
+    # a request's own salt narrows its tenant's: never equal to another tenant's with that salt
+    assert len({cache_salt(a, "s"), cache_salt(b, "s"), cache_salt(None, "s"), cache_salt(a, "t"), a}) == 5
+    assert cache_salt(a, "s") == cache_salt(a, "s")
 
 
 def test_model_resolution():

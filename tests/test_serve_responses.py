@@ -235,7 +235,7 @@ def test_get_delete_and_unknown_ids(served, client):
 
 def test_a_stored_response_is_found_only_with_its_own_key_and_the_server_cap_holds(tmp_path):
     directory = write_model_dir(tmp_path / "tiny", max_positions=512, weights=True)
-    server = Served(directory, api_keys=("a", "b"), isolate_cache_by_key=True, max_output_tokens=3)
+    server = Served(directory, api_keys=("a", "b"), max_output_tokens=3)
     try:
         a, b = server.client(api_key="a"), server.client(api_key="b")
         capped = a.responses.create(input="Ramble.", max_output_tokens=100)  # --max-output-tokens 3 wins

@@ -121,7 +121,7 @@ def test_kv_events_of_a_live_server_rebuild_its_tree(model_dir):
     """A subscriber's block set equals the tree's after requests, evictions (a small pool) and a
     tenant salt; the metrics show the publisher's batches and the same block count."""
     server = Served(model_dir, lm_options={"max_cache_tokens": 640, "kv_events": "tcp://127.0.0.1:*"},
-                    api_keys=("k1", "k2"), isolate_cache_by_key=True)
+                    api_keys=("k1", "k2"))
     pub = server.lm.manager.events
     sub = Subscriber(pub.endpoint, BS)
     try:

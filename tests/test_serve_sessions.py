@@ -7,7 +7,8 @@ turns): the server computes each reply's history form into the cache at low prio
 next request waits for that work instead of computing it again. The last turn's greedy text equals
 ``model.generate`` on the same rendered prompt. Without the precompute the same conversation stops
 short, and ``/metrics`` says why. ``prompt_cache_key`` / ``prompt_cache_retention`` keep a
-session's prefix over prefixes without a hint; with ``--isolate-cache-by-key`` tenants share nothing.
+session's prefix over prefixes without a hint; tenants (API keys) share nothing unless the server is
+started with ``--share-cache-across-keys``, and a request's ``cache_salt`` narrows sharing further.
 """
 
 import time
@@ -182,19 +183,41 @@ def test_a_session_key_keeps_its_prefix_over_prefixes_without_one(tmp_path):
 
 
 def test_tenants_with_their_own_keys_never_share_a_block(tmp_path):
+    """Issue 33: two keys and no flag: tenant B's request for tenant A's prompt reads 0 cached tokens
+    and computes every one of them (the time to first token of a miss: it tells B nothing); a
+    request's own ``cache_salt`` narrows sharing within a tenant; ``--share-cache-across-keys``
+    shares again."""
     directory = write_model_dir(tmp_path / "tiny-smol", max_positions=2048, weights=True)
-    served = Served(directory, api_keys=("key-a", "key-b"), isolate_cache_by_key=True)
     prompt = ids(4, 100)
-    try:
-        def cached(key) -> tuple:
-            with served.client(api_key=key) as client:
-                body = client.completions.create(model="tiny-smol", prompt=prompt, max_tokens=4, temperature=0)
-            return body.choices[0].text, body.usage.prompt_tokens_details.cached_tokens
 
-        text, first = cached("key-a")
-        assert first == 0 and cached("key-a") == (text, 99)
-        assert cached("key-b") == (text, 0)  # the same prompt, another tenant: computed again
+    def cached(served, key, **extra) -> tuple:
+        computed = served.engine.engine.metrics.step_tokens
+        with served.client(api_key=key) as client:
+            body = client.completions.create(model="tiny-smol", prompt=prompt, max_tokens=4, temperature=0,
+                                             extra_body=extra)
+        served.quiet()
+        return (body.choices[0].text, body.usage.prompt_tokens_details.cached_tokens,
+                served.engine.engine.metrics.step_tokens - computed)
+
+    served = Served(directory, api_keys=("key-a", "key-b"))
+    try:
+        text, first, work = cached(served, "key-a")
+        assert first == 0 and work >= len(prompt)
+        assert cached(served, "key-a")[:2] == (text, 99)
+        again, hit, work = cached(served, "key-b")  # the same prompt, another tenant: computed again
+        assert (again, hit) == (text, 0) and work >= len(prompt)
+        assert cached(served, "key-a", cache_salt="s1")[1] == 0  # its own salt: a namespace of its own
+        assert cached(served, "key-a", cache_salt="s1")[1] == 99
+        assert cached(served, "key-b", cache_salt="s1")[1] == 0  # the same salt, another tenant
         with pytest.raises(openai.AuthenticationError):
-            cached("key-c")
+            cached(served, "key-c")
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            cached(served, "key-a", cache_salt="")
+    finally:
+        served.stop()
+    served = Served(directory, api_keys=("key-a", "key-b"), share_cache_across_keys=True)
+    try:
+        cached(served, "key-a")
+        assert cached(served, "key-b")[:2] == (text, 99)  # the opt-in: B learns what A sent
     finally:
         served.stop()

@@ -46,5 +46,5 @@ def test_store_ttft_quick_gives_the_same_token_and_hits_the_store(tmp_path):
     data = json.loads(out.read_text())
     assert data["bytes_per_token"] == 46_080
     (row,) = data["rows"]
-    assert row["prefix"] == 256 and row["store_hit_tokens"] == 256
-    assert row["recompute_s"] > 0 and row["store_s"] > 0
+    assert row["prefix"] == 256 and row["store_hit_tokens"] == row["mac_hit_tokens"] == 256
+    assert row["recompute_s"] > 0 and row["store_s"] > 0 and row["mac_s"] > 0

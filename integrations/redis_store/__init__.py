@@ -6,7 +6,7 @@
 Keys and values are ``radixcache.store.keys`` / ``radixcache.store.values``.
 """
 
-from radixcache.integrations.redis_store.store import DEFAULT_QUEUE_BYTES, RedisStore
+from radixcache.integrations.redis_store.store import DEFAULT_QUEUE_BYTES, SECRET_ENV, RedisStore, store_secret
 from radixcache.store.keys import BlockFormat
 
 
@@ -21,4 +21,4 @@ def pool_format(pool, model: str) -> BlockFormat:
                           pool.block_size, pool.num_kv_heads, pool.head_dim)
 
 
-__all__ = ["DEFAULT_QUEUE_BYTES", "BlockFormat", "RedisStore", "pool_format"]
+__all__ = ["DEFAULT_QUEUE_BYTES", "SECRET_ENV", "BlockFormat", "RedisStore", "pool_format", "store_secret"]

@@ -22,13 +22,15 @@ from redis.retry import Retry
 logger = logging.getLogger("radixcache.store")
 
 SCHEMES = ("redis", "rediss", "unix")
-OWN_OPTIONS = ("ttl", "prefix")  # radixcache's own URL query options, taken out before redis-py sees it
+# radixcache's own URL query options, taken out before redis-py sees it
+OWN_OPTIONS = ("ttl", "prefix", "secret_file")
 DOWN = object()  # what ``Link.run`` returns when the store could not be used
 FAILURES = (redis.RedisError, RedisClusterException, OSError)  # a store failure, never a caller's error
 
 
 def split_url(url: str) -> tuple[str, dict]:
-    """``(url for redis-py, {"ttl": ..., "prefix": ...})``; ``ValueError`` on a URL that is not Redis's."""
+    """``(url for redis-py, {"ttl": ..., "prefix": ..., "secret_file": ...})``; ``ValueError`` on a URL
+    that is not Redis's."""
     if not isinstance(url, str):
         raise TypeError(f"store URL must be a str, got {type(url).__name__}")
     parts = urlsplit(url)

@@ -9,19 +9,28 @@ first miss. A pipeline is one round trip per server: on Redis Cluster the chaine
 different slots (a multi-key ``MGET`` would fail with CROSSSLOT) and redis-py's cluster pipeline
 sends each node its share at once. A value that fails verification is a miss and its key is
 deleted.
+
+Trust: with a secret (``secret``, the URL's ``secret_file=PATH``, or the environment variable
+``RADIXCACHE_STORE_SECRET`` through ``store_secret``), every value is sealed with a keyed BLAKE3
+MAC and every value read is checked before use: one written without the secret (a forger with
+write access to Redis, a replica without it) is a miss, counted in ``store_unauthenticated_blocks``,
+never a token. Without one, values carry a checksum only and the store trusts whoever can write
+to its Redis (it says so once, at start).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 
 from radixcache.store import STORE_COUNTERS, BlockKV, BlockSource
 from radixcache.store.keys import BlockFormat, block_digests, namespace_digest
-from radixcache.store.values import BadValue, decode_value, encode_value, value_size
+from radixcache.store.values import BadValue, Unauthenticated, decode_value, encode_value, mac_key, value_size
 from radixcache.integrations.redis_store.connection import DOWN, Link, redact, split_url
 from radixcache.integrations.redis_store.writer import BlockWriter, WriteJob
 
@@ -30,6 +39,27 @@ logger = logging.getLogger("radixcache.store")
 MIB = 1 << 20
 DEFAULT_QUEUE_BYTES = 256 * MIB
 DEFAULT_PREFIX = "radixcache:"
+SECRET_ENV = "RADIXCACHE_STORE_SECRET"
+READ_THREADS = 4  # chunks read ahead of the one being verified, across concurrent fetches
+_TRUST_NOTED: set = set()  # store URLs whose missing secret was logged
+
+
+def store_secret(secret_file=None) -> bytes | None:
+    """The shared store's secret: the contents of ``secret_file`` (surrounding whitespace stripped),
+    else the environment variable ``RADIXCACHE_STORE_SECRET``, else None. Never a command-line value:
+    a process's arguments are visible to every user of the machine. ``ValueError`` for a file that
+    cannot be read or holds nothing."""
+    if secret_file is not None:
+        try:
+            with open(secret_file, "rb") as f:
+                secret = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"store secret file {secret_file}: {e.strerror or e}") from None
+        if not secret:
+            raise ValueError(f"store secret file {secret_file} is empty")
+        return secret
+    value = os.environ.get(SECRET_ENV, "").strip()
+    return value.encode() if value else None
 
 
 class Counters:
@@ -64,7 +94,9 @@ class RedisStore:
     ``prefix`` (of every key, default "radixcache:"); the keyword arguments override them.
     ``max_queue_bytes`` bounds the write queue (default 256 MiB); ``timeout`` bounds every socket
     read/write and ``connect_timeout`` every connect (seconds); ``fetch_deadline`` bounds one
-    ``fetch``; ``read_chunk_bytes`` / ``write_batch_bytes`` bound one pipeline.
+    ``fetch``; ``read_chunk_bytes`` / ``write_batch_bytes`` bound one pipeline. ``secret`` (bytes;
+    default: the URL's ``secret_file``, else ``store_secret()``) seals every value with a MAC and
+    refuses values without a valid one (see the module docstring).
 
     Never raises because Redis failed: an unreachable store at start is logged once and the store
     runs as a miss-everything, drop-everything store, retrying after a backoff. Bad arguments raise
@@ -75,8 +107,11 @@ class RedisStore:
                  prefix: str | None = None, max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
                  timeout: float = 0.5, connect_timeout: float = 0.5, fetch_deadline: float = 2.0,
                  read_chunk_bytes: int = 8 * MIB, write_batch_bytes: int = 32 * MIB,
-                 backoff: tuple[float, float] = (0.5, 30.0)):
+                 backoff: tuple[float, float] = (0.5, 30.0), secret: bytes | None = None):
         redis_url, own = split_url(url)
+        if secret is None:
+            secret = store_secret(own.get("secret_file"))
+        self._key = mac_key(secret) if secret is not None else None
         fmt.check()
         ttl = float(own["ttl"]) if ttl is None and "ttl" in own else ttl
         if ttl is not None and not ttl > 0:
@@ -87,7 +122,7 @@ class RedisStore:
                 raise ValueError(f"{name} must be positive, got {value!r}")
         self.format = fmt
         self.block_size = fmt.block_size
-        self.value_bytes = value_size(fmt)
+        self.value_bytes = value_size(fmt, self.sealed)
         self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
         self.prefix = (prefix if prefix is not None else own.get("prefix", DEFAULT_PREFIX)).encode()
         self.fetch_deadline = fetch_deadline
@@ -100,37 +135,56 @@ class RedisStore:
         self._warned_refused = False
         self._lock = threading.Lock()
         self.link.run(lambda client: client.ping())  # an unreachable store is reported at start
+        if not self.sealed and redact(url) not in _TRUST_NOTED:  # once per store URL and process
+            _TRUST_NOTED.add(redact(url))
+            logger.warning("radixcache store: no secret (%s or secret_file=): %s trusts whoever can write to "
+                           "it; anyone with write access there can change every replica's tokens",
+                           SECRET_ENV, redact(url))
         self.writer = BlockWriter(self._send, self._lost, max_bytes=max_queue_bytes,
                                   batch_bytes=max(write_batch_bytes, self.value_bytes))
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="radixcache-store-read")
 
     # ------------------------------------------------------------------ the BlockStore protocol
     def fetch(self, namespace: tuple, tokens: Sequence[int], start: int, limit: int) -> list[BlockKV]:
         """Verified K/V of blocks ``start, start+1, ...`` (at most ``limit``), stopping at the first miss.
 
         See ``radixcache.store.BlockStore.fetch``. One pipelined round trip per server per
-        ``read_chunk_bytes`` of blocks; a timeout, a dead server or a bad value ends the fetch there.
+        ``read_chunk_bytes`` of blocks, the next one in flight while a chunk is verified; a timeout,
+        a dead server or a bad value ends the fetch there.
         """
         _check_range(start, limit)
         bs = self.block_size
         end = min(start + limit, len(tokens) // bs)
-        if end <= start:
+        if end <= start or self._closed:
             return []
         ns = self._namespace(namespace)
         digests = block_digests(ns, tokens, bs, end)
         out: list[BlockKV] = []
         received = 0
         deadline = time.monotonic() + self.fetch_deadline
-        i = start
-        while i < end and not self._closed and time.monotonic() < deadline:
-            chunk = range(i, min(end, i + self.chunk_blocks))
+        chunks = [range(i, min(end, i + self.chunk_blocks)) for i in range(start, end, self.chunk_blocks)]
+
+        def read(chunk):
             keys = [self.key(digests[k]) for k in chunk]
-            values = self.link.run(lambda client: self._get_many(client, keys))
+            return keys, self.link.run(lambda client: self._get_many(client, keys))
+
+        # the next chunk is read while this one is verified (a MAC costs about what the read does)
+        try:
+            pending = self._readers.submit(read, chunks[0])
+        except RuntimeError:  # closed meanwhile
+            return []
+        for n, chunk in enumerate(chunks):
+            keys, values = pending.result()
+            more = n + 1 < len(chunks) and not self._closed and time.monotonic() < deadline
+            try:
+                pending = self._readers.submit(read, chunks[n + 1]) if more else None
+            except RuntimeError:  # closed meanwhile
+                pending = None
             if values is DOWN:
                 break
             received += sum(len(v) for v in values if isinstance(v, bytes))
-            if not self._verified(ns, tokens, digests, chunk, keys, values, out):
+            if not self._verified(ns, tokens, digests, chunk, keys, values, out) or pending is None:
                 break
-            i = chunk.stop
         self.counters.add(store_hit_tokens=len(out) * bs, store_miss_blocks=end - start - len(out),
                           store_bytes_read=received)
         return out
@@ -146,9 +200,10 @@ class RedisStore:
                     if value is not None:  # a refused command: the server's trouble, not the key's
                         self.counters.add(store_errors=1)
                     return False
-                out.append(decode_value(value, self.format, ns, digests[k], tokens[k * bs:(k + 1) * bs]))
+                out.append(decode_value(value, self.format, ns, digests[k], tokens[k * bs:(k + 1) * bs],
+                                        self._key))
             except BadValue as e:
-                self.counters.add(store_bad_values=1)
+                self.counters.add(store_bad_values=1, store_unauthenticated_blocks=isinstance(e, Unauthenticated))
                 logger.warning("radixcache store: deleting a bad value (%s)", e)
                 self.link.run(lambda client: client.delete(key))
                 return False
@@ -193,6 +248,7 @@ class RedisStore:
                 return self.stats()
             self._closed = True
         unsent = self.writer.close(timeout)
+        self._readers.shutdown(wait=True)
         if unsent:
             self.counters.add(store_dropped_blocks=unsent)
             logger.warning("radixcache store: %d queued blocks were not written before close", unsent)
@@ -207,6 +263,11 @@ class RedisStore:
         self.close()
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def sealed(self) -> bool:
+        """Values carry a MAC under the store's secret (and unsealed ones are refused)."""
+        return self._key is not None
+
     def key(self, digest: bytes) -> bytes:
         """The Redis key of a block digest."""
         return self.prefix + digest.hex().encode()
@@ -217,7 +278,7 @@ class RedisStore:
         with self._lock:
             ns = self._namespaces.get(namespace)
         if ns is None:
-            ns = namespace_digest(self.format, namespace)
+            ns = namespace_digest(self.format, namespace, self.sealed)
             with self._lock:
                 if len(self._namespaces) >= 4096:
                     self._namespaces.clear()
@@ -241,7 +302,8 @@ class RedisStore:
             digests = block_digests(job.ns, job.tokens, bs, job.start + len(job.blocks))
             for j, kv in enumerate(job.blocks):
                 i = job.start + j
-                value = encode_value(self.format, job.ns, digests[i], job.tokens[i * bs:(i + 1) * bs], kv)
+                value = encode_value(self.format, job.ns, digests[i], job.tokens[i * bs:(i + 1) * bs], kv,
+                                     self._key)
                 entries.append((self.key(digests[i]), value))
 
         def exists(client):

@@ -28,7 +28,7 @@ import json
 
 from radixcache.integrations.serve import anthropic_convert as C
 from radixcache.integrations.serve.errors import APIError, bad_request
-from radixcache.integrations.serve.job import Job, new_job, render_conversation
+from radixcache.integrations.serve.job import Job, caller_of, new_job, render_conversation
 from radixcache.integrations.serve.limits import max_prompt_tokens, resolve_model
 
 PING_S = 5.0
@@ -56,28 +56,29 @@ def _sse(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _conversation(state, req, key):
+async def _conversation(state, req, caller):
     inline = await state.render(C.renders_inline_system, state.renderer)
     conversation = C.conversation_of(req, inline, state.renderer.thinking_switch)
-    return conversation, await render_conversation(state, conversation, key)
+    return conversation, await render_conversation(state, conversation, caller)
 
 
 async def count_tokens(state, req, key: str | None) -> dict:
     """The body of ``count_tokens``: the prompt ``create`` would send to the model, counted."""
     resolve_model(req.model, state.model_names)
-    _, prompt = await _conversation(state, req, key)
+    _, prompt = await _conversation(state, req, caller_of(state, key, req.cache_salt))
     return {"input_tokens": len(prompt.token_ids)}
 
 
 async def messages_job(state, req, key: str | None) -> tuple[Job, "MessagesReply"]:
     """The job of a validated ``MessagesRequest`` and the reply that answers it."""
     model = resolve_model(req.model, state.model_names)
-    conversation, prompt = await _conversation(state, req, key)
+    caller = caller_of(state, key, req.cache_salt)
+    conversation, prompt = await _conversation(state, req, caller)
     mode = C.tool_mode(req, conversation)
     reply = MessagesReply()
     session = req.metadata.session_id if req.metadata is not None else None
     try:
-        job = new_job(state, "anthropic", model, prompt.token_ids, id_prefix="msg", api_key=key,
+        job = new_job(state, "anthropic", model, prompt.token_ids, id_prefix="msg", caller=caller,
                       max_tokens=req.max_tokens, temperature=req.effective_temperature,
                       top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                       stop=req.stop_sequences or (), stream=req.stream, keep_s=C.retain_seconds(req, session),

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from radixcache.integrations.serve.messages import APIModel
+from radixcache.integrations.serve.messages import APIModel, CacheSalt
 from radixcache.integrations.serve.protocol import MAX_STOP_SEQUENCES, parse_body
 
 # cache_control.ttl -> seconds (Anthropic's cache lives 5 minutes unless "1h" is asked for)
@@ -172,6 +172,7 @@ class CountTokensRequest(APIModel):
     """``POST /v1/messages/count_tokens``: what ``create`` would prompt with, without generating."""
 
     model: str
+    cache_salt: CacheSalt | None = None  # vLLM's field, here on every protocol
     messages: Annotated[list[Message], Field(min_length=1)]
     system: list[TextBlock] | None = None
     tools: list[Tool] | None = None

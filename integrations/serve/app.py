@@ -4,7 +4,8 @@
 
 - ``GET /health``: 200 ``{"status": "ok"}`` when an engine is attached and its scheduler runs, else
   503 (error shape);
-- ``GET /metrics``: Prometheus text (open, like vLLM's, for scrapers);
+- ``GET /metrics``: Prometheus text (open, like vLLM's, for scrapers; behind the API key with
+  ``--metrics-require-key``);
 - ``GET /openapi.json``: the OpenAPI document, every request body described by its model (open);
 - ``GET /v1/models`` (with each model's ``root`` and ``max_model_len``), ``GET /v1/loads`` (the
   load SGLang's model gateway polls, ``loads.py``), ``POST /v1/chat/completions``,
@@ -19,8 +20,9 @@ server for vLLM or SGLang.
 
 Every error is OpenAI's ``{"error": {...}}`` (on the Messages paths Anthropic's ``{"type": "error",
 "error": {...}}``, ``anthropic_messages.error_body``) with the right status: 400 for malformed JSON and
-invalid fields (never FastAPI's 422), for prompts longer than the context or the pool; 401 without
-the key; 404 for an unknown model or route; 429 when every slot is taken; 503 without an engine.
+invalid fields (never FastAPI's 422), for prompts longer than the context or the pool; 413 for a
+body over ``--max-request-bytes`` (refused before it is read whole, never parsed) or more messages,
+tools or stop strings than the server takes; 401 without the key; 404 for an unknown model or route; 429 when every slot is taken; 503 without an engine.
 A rejected request changes nothing: it is refused before it reaches the engine. Each protocol is an
 adapter module (``openai_completions.py``): a route parses the body, the adapter builds the ``Job``
 and ``respond.respond`` runs it, with the adapter's JSON body and SSE chunks.
@@ -42,9 +44,9 @@ from radixcache import __version__
 from radixcache.integrations.serve import anthropic_messages, openai_completions, openai_responses
 from radixcache.integrations.serve import responses as R
 from radixcache.integrations.serve.errors import (APIError, bad_request, internal, method_not_allowed,
-                                                  route_not_found, unavailable)
-from radixcache.integrations.serve.job import salt_of
-from radixcache.integrations.serve.limits import check_api_key
+                                                  route_not_found, too_large, unavailable)
+from radixcache.integrations.serve.limits import tenant_of
+from radixcache.integrations.serve.limits import check_api_key, check_counts
 from radixcache.integrations.serve.anthropic_protocol import (CountTokensRequest, MessagesRequest,
                                                               parse_count_tokens_request, parse_messages_request)
 from radixcache.integrations.serve.loads import worker_loads
@@ -65,12 +67,27 @@ def _error_response(state, exc: APIError, path: str = "") -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-async def _json_body(request: Request):
-    raw = await request.body()
+async def _json_body(request: Request, state):
+    """The decoded JSON body, read only up to the server's bound (413 past it, before anything is
+    parsed: a declared ``Content-Length`` over it is refused unread, a chunked body as soon as it
+    passes it), with its counts checked (``limits.check_counts``)."""
+    limit = state.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(f"the request body is {int(declared):,} bytes; this server takes at most {limit:,} "
+                        "(--max-request-bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"the request body is over {limit:,} bytes, this server's bound (--max-request-bytes)")
+        chunks.append(chunk)
     try:
-        return json.loads(raw)
+        body = json.loads(b"".join(chunks))
     except (UnicodeDecodeError, ValueError) as exc:
         raise bad_request(f"the request body is not valid JSON ({exc})") from None
+    check_counts(body, state.options)
+    return body
 
 
 def create_app(state) -> FastAPI:
@@ -120,7 +137,9 @@ def create_app(state) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if state.options.metrics_require_key:
+            authorize(request)
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -137,44 +156,44 @@ def create_app(state) -> FastAPI:
     @app.post("/v1/chat/completions", openapi_extra=bodies.body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         key = authorize(request)
-        job = await openai_completions.chat_job(state, parse_chat_request(await _json_body(request)), key)
+        job = await openai_completions.chat_job(state, parse_chat_request(await _json_body(request, state)), key)
         return await respond(state, job, request, openai_completions.body, openai_completions.chunks)
 
     @app.post("/v1/completions", openapi_extra=bodies.body(CompletionRequest))
     async def completions(request: Request):
         key = authorize(request)
-        job = await openai_completions.completion_job(state, parse_completion_request(await _json_body(request)), key)
+        job = await openai_completions.completion_job(state, parse_completion_request(await _json_body(request, state)), key)
         return await respond(state, job, request, openai_completions.body, openai_completions.chunks)
 
     @app.post(anthropic_messages.PATH, openapi_extra=bodies.body(MessagesRequest))
     async def messages(request: Request):
         key = authorize(request)
-        req = parse_messages_request(await _json_body(request))
+        req = parse_messages_request(await _json_body(request, state))
         job, reply = await anthropic_messages.messages_job(state, req, key)
         return await respond(state, job, request, reply.body, reply.events)
 
     @app.post(anthropic_messages.PATH + "/count_tokens", openapi_extra=bodies.body(CountTokensRequest))
     async def count_tokens(request: Request):
         key = authorize(request)
-        return await anthropic_messages.count_tokens(state, parse_count_tokens_request(await _json_body(request)), key)
+        return await anthropic_messages.count_tokens(state, parse_count_tokens_request(await _json_body(request, state)), key)
 
     @app.post("/v1/responses", openapi_extra=bodies.body(ResponsesRequest))
     async def responses(request: Request):
         key = authorize(request)
-        job, turn = await openai_responses.responses_job(state, parse_responses_request(await _json_body(request)), key)
+        job, turn = await openai_responses.responses_job(state, parse_responses_request(await _json_body(request, state)), key)
         return await respond(state, job, request, partial(openai_responses.body, state, turn),
                              partial(openai_responses.events, state, turn))
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request):
-        stored = state.responses.get(response_id, salt_of(state, authorize(request)))
+        stored = state.responses.get(response_id, tenant_of(authorize(request), state.options.share_cache_across_keys))
         if stored is None:
             raise openai_responses.not_found(response_id)
         return stored.response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request):
-        if not state.responses.delete(response_id, salt_of(state, authorize(request))):
+        if not state.responses.delete(response_id, tenant_of(authorize(request), state.options.share_cache_across_keys)):
             raise openai_responses.not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 

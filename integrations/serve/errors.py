@@ -72,6 +72,12 @@ def unavailable(message: str, code: str = "unavailable") -> APIError:
     return APIError(503, message, type="server_error", code=code, headers={"Retry-After": "1"})
 
 
+def too_large(message: str, param: str | None = None) -> APIError:
+    """413: the request is over one of the server's input bounds (its body's bytes, its messages,
+    tools or stop strings); the message names the bound and the option that sets it."""
+    return APIError(413, message, param=param, code="request_too_large")
+
+
 def internal(message: str) -> APIError:
     """500: a failure inside the server; the message names it without a traceback."""
     return APIError(500, message, type="server_error", code="internal_error")

@@ -11,7 +11,8 @@ protocols the same way) turns its request schema into the same three things and 
   then do nothing), ``max_tokens`` None means up to the context, ``seed`` any int, ``n`` choices
   (greedy choices are all the same, so the engine computes one sample and the ``Job`` copies it:
   ``fanout``), ``stop`` strings (the server cuts the text; the engine knows only stop ids);
-- the session hints: the API key (the tenant salt under ``--isolate-cache-by-key``) and the
+- who asks: the ``Caller`` (its tenant, one per API key unless ``--share-cache-across-keys``, and
+  its cache salt, the tenant's narrowed by the request's own ``cache_salt`` field), and the
   retention hint in seconds (``prompt_cache_key`` / ``prompt_cache_retention`` in chat).
 
 ``new_job`` checks what no field check can (the prompt against the context, the KV pool and the
@@ -33,7 +34,7 @@ from radixcache.integrations.serve.chat_template import RenderedPrompt, RenderEr
 from radixcache.integrations.serve.constraints import OutputConstraint
 from radixcache.integrations.serve.errors import bad_request
 from radixcache.integrations.serve.grammar import ConstraintError
-from radixcache.integrations.serve.limits import max_new_tokens, tenant_salt
+from radixcache.integrations.serve.limits import cache_salt, max_new_tokens, tenant_of
 from radixcache.integrations.serve.responses import new_id
 
 SEED_RANGE = 2**63  # a request's seed (any int) is reduced to the engine's non-negative range
@@ -66,7 +67,8 @@ class Job:
     request's grammar by ``constrain`` before it is submitted). ``single_tool_call``: the client
     asked for one call at most (``parallel_tool_calls: false``, ``disable_parallel_tool_use``):
     a reply's first call is kept, any after it dropped (a grammar also stops them when the call
-    is forced).
+    is forced). ``tenant``: who owns what the job stores (``Caller.tenant``); the request's cache
+    salt is ``salt``.
     """
 
     protocol: str
@@ -82,6 +84,7 @@ class Job:
     history_form: bool = True
     constraint: OutputConstraint | None = None
     single_tool_call: bool = False
+    tenant: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
 
     @property
@@ -103,12 +106,22 @@ class Job:
         return self.choices > self.request.num_samples
 
 
-def salt_of(state, api_key: str | None) -> str | None:
-    """The tenant salt of a request made with ``api_key`` (None unless ``--isolate-cache-by-key``)."""
-    return tenant_salt(api_key, state.options.isolate_cache_by_key)
+class Caller(NamedTuple):
+    """Who sends a request: ``tenant`` owns what it stores (stored responses; None: the one shared
+    tenant), ``salt`` is its cache salt (the KV namespace and the history forms it shares)."""
+
+    tenant: str | None = None
+    salt: str | None = None
 
 
-async def render_conversation(state, conversation: Conversation, api_key: str | None = None) -> RenderedPrompt:
+def caller_of(state, api_key: str | None, request_salt: str | None = None) -> Caller:
+    """The ``Caller`` of a request made with ``api_key`` and the request's ``cache_salt`` field
+    (validated by the protocol's request model)."""
+    tenant = tenant_of(api_key, state.options.share_cache_across_keys)
+    return Caller(tenant, cache_salt(tenant, request_salt))
+
+
+async def render_conversation(state, conversation: Conversation, caller: Caller = Caller()) -> RenderedPrompt:
     """The prompt the chat template makes of ``conversation`` (on the render thread, ahead of any
     history work; a template that refuses it is a 400 on ``messages``), once the history work of the
     conversation it continues (the client came back before it was done) is done."""
@@ -117,11 +130,11 @@ async def render_conversation(state, conversation: Conversation, api_key: str | 
         prompt = await state.render(renderer.render, conversation.messages, conversation.tools)
     except RenderError as exc:
         raise bad_request(str(exc), param="messages") from None
-    await state.pending_histories.wait_for(conversation, salt_of(state, api_key))
+    await state.pending_histories.wait_for(conversation, caller.salt)
     return prompt
 
 
-def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api_key: str | None = None,
+def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, caller: Caller = Caller(),
             max_tokens: int | None = None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
             n: int = 1, seed: int | None = None, stop=(), stream: bool = False, include_usage: bool = False,
             keep_s: float | None = None, conversation: Conversation | None = None,
@@ -152,12 +165,13 @@ def new_job(state, protocol: str, model: str, prompt_ids, *, id_prefix: str, api
                                 seed=None if seed is None else seed % SEED_RANGE,
                                 stop_token_ids=state.info.stop_token_ids, logprobs=logprobs)
         request = Request(new_id(id_prefix), prompt_ids, params,
-                          cache_salt=salt_of(state, api_key), keep_s=keep_s)
+                          cache_salt=caller.salt, keep_s=keep_s)
     except (TypeError, ValueError) as exc:
         raise bad_request(str(exc)) from None
     parse_tools = parse_tools or (constraint is not None and constraint.kind == "tool_calls")
     return Job(protocol, model, request, n, tuple(stop), stream, include_usage, conversation, parse_tools,
-               reply_form=reply_form, constraint=constraint, single_tool_call=single_tool_call)
+               reply_form=reply_form, constraint=constraint, single_tool_call=single_tool_call,
+               tenant=caller.tenant)
 
 
 async def constrain(state, job: Job) -> Job:

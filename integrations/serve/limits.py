@@ -1,4 +1,5 @@
-"""Access and admission rules: API keys, tenant salts, the in-flight limit, prompt and model checks.
+"""Access and admission rules: API keys, tenants and cache salts, the in-flight limit, prompt and
+model checks.
 
 Each check raises an ``APIError`` with the status OpenAI clients expect (401, 404, 429, 400) and
 changes nothing, so a refused request never reaches the engine and never holds a block.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from radixcache.integrations.serve.errors import bad_request, model_not_found, queue_full, unauthorized
+from radixcache.integrations.serve.errors import bad_request, model_not_found, queue_full, too_large, unauthorized
 
 _SALT_PERSON = b"radixcache-salt"
 
@@ -38,16 +39,40 @@ def check_bearer(authorization: str | None, keys) -> str | None:
     return check_api_key(authorization, None, keys)
 
 
-def tenant_salt(api_key: str | None, isolate: bool) -> str | None:
-    """The cache salt of a request: None (one shared cache) unless ``isolate`` is on.
-
-    With ``isolate``, requests share cached blocks only with requests of the same API key: the salt
-    is a keyed digest of the key (never the key itself, since a salt may be stored outside the
-    process), and requests without a key share the salt of "no key".
-    """
-    if not isolate:
+def tenant_of(api_key: str | None, shared: bool) -> str | None:
+    """The tenant of a request made with ``api_key``: a keyed digest of the key (never the key
+    itself, since a tenant may be stored outside the process), or None for one shared tenant
+    (a server without keys, or ``--share-cache-across-keys``). Requests of different tenants share
+    no cached block, no stored response and no history."""
+    if api_key is None or shared:
         return None
-    return hashlib.blake2b((api_key or "").encode(), digest_size=16, person=_SALT_PERSON).hexdigest()
+    return hashlib.blake2b(api_key.encode(), digest_size=16, person=_SALT_PERSON).hexdigest()
+
+
+def cache_salt(tenant: str | None, request_salt: str | None) -> str | None:
+    """The cache namespace salt of a request: its tenant's, narrowed by the request's own
+    ``cache_salt`` field (vLLM's): two requests share cached blocks only when both agree. None
+    when neither is set (the one shared cache)."""
+    if request_salt is None:
+        return tenant
+    text = f"{tenant or ''}\0{request_salt}".encode()
+    return hashlib.blake2b(text, digest_size=16, person=_SALT_PERSON).hexdigest()
+
+
+def check_counts(body, options) -> None:
+    """``APIError`` 413 when a decoded request body has more messages (or Responses input items),
+    tools or stop strings than ``options`` (``ServeOptions``: ``--max-messages``, ``--max-tools``,
+    ``--max-stop``) allow; checked on the JSON before any field is validated, for every protocol."""
+    if not isinstance(body, dict):
+        return
+    counted = [("messages", options.max_messages, "--max-messages"), ("input", options.max_messages, "--max-messages"),
+               ("tools", options.max_tools, "--max-tools"), ("stop", options.max_stop, "--max-stop"),
+               ("stop_sequences", options.max_stop, "--max-stop")]
+    for field, bound, option in counted:
+        value = body.get(field)
+        if isinstance(value, list) and len(value) > bound:
+            raise too_large(f"{field} has {len(value)} entries; this server takes at most {bound} ({option})",
+                            param=field)
 
 
 def resolve_model(requested: str | None, served_names) -> str:

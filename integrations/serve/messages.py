@@ -21,6 +21,11 @@ class APIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+CacheSalt = Annotated[str, Field(strict=True, min_length=1, max_length=256)]
+"""vLLM's ``cache_salt`` request field (every protocol takes it): the request shares cached blocks
+only with requests of the same tenant that send the same salt."""
+
+
 def _text_of(content) -> str | None:
     """A message content (str, list of text parts, or None) as one string (None stays None)."""
     if content is None or isinstance(content, str):

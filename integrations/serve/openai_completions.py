@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from radixcache.integrations.serve import responses as R
 from radixcache.integrations.serve.errors import APIError
-from radixcache.integrations.serve.job import Conversation, Job, new_job, render_conversation
+from radixcache.integrations.serve.job import Conversation, Job, caller_of, new_job, render_conversation
 from radixcache.integrations.serve.limits import resolve_model
 
 
-def _settings(req, key) -> dict:
+def _settings(req, caller) -> dict:
     """The sampling settings and session hints shared by both protocols, for ``new_job``."""
-    return dict(api_key=key, max_tokens=req.max_new_tokens, temperature=req.effective_temperature,
+    return dict(caller=caller, max_tokens=req.max_new_tokens, temperature=req.effective_temperature,
                 top_p=req.effective_top_p, n=req.n, seed=req.seed, stop=req.stop_strings, stream=req.stream,
                 include_usage=req.include_usage, keep_s=req.keep_s, logprobs=req.logprobs_k)
 
@@ -29,22 +29,24 @@ def _settings(req, key) -> dict:
 async def chat_job(state, req, key: str | None) -> Job:
     """The job of a validated ``ChatCompletionRequest`` (its messages through the chat template)."""
     model = resolve_model(req.model, state.model_names)
+    caller = caller_of(state, key, req.cache_salt)
     conversation = Conversation([m.model_dump(exclude_none=True) for m in req.messages],
                                 [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
-    prompt = await render_conversation(state, conversation, key)
+    prompt = await render_conversation(state, conversation, caller)
     return new_job(state, "chat", model, prompt.token_ids, id_prefix="chatcmpl", conversation=conversation,
                    parse_tools=req.parses_tool_calls, constraint=req.output_constraint(),
-                   single_tool_call=req.parallel_tool_calls is False, **_settings(req, key))
+                   single_tool_call=req.parallel_tool_calls is False, **_settings(req, caller))
 
 
 async def completion_job(state, req, key: str | None) -> Job:
     """The job of a validated ``CompletionRequest`` (a text prompt is tokenized as it is)."""
     model = resolve_model(req.model, state.model_names)
+    caller = caller_of(state, key, req.cache_salt)
     if isinstance(req.prompt, str):
         ids = await state.render(lambda: state.tokenizer(req.prompt)["input_ids"])
     else:
         ids = req.prompt
-    return new_job(state, "completion", model, ids, id_prefix="cmpl", **_settings(req, key))
+    return new_job(state, "completion", model, ids, id_prefix="cmpl", **_settings(req, caller))
 
 
 def _usage(generation) -> dict:

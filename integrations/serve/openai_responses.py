@@ -35,7 +35,7 @@ from itertools import count
 
 from radixcache.integrations.serve.constraints import json_constraint, tool_call_constraint
 from radixcache.integrations.serve.errors import APIError, bad_request
-from radixcache.integrations.serve.job import Conversation, new_job, render_conversation, salt_of
+from radixcache.integrations.serve.job import Conversation, caller_of, new_job, render_conversation
 from radixcache.integrations.serve.limits import resolve_model
 from radixcache.integrations.serve.openai_responses_request import NamedFunction, to_messages
 from radixcache.integrations.serve.responses_store import StoredResponse
@@ -118,12 +118,13 @@ def _constraint(req, tools):
 async def responses_job(state, req, key: str | None):
     """``(Job, Turn)`` of a validated ``ResponsesRequest`` (see the module docstring)."""
     model = resolve_model(req.model, state.model_names)
+    caller = caller_of(state, key, req.cache_salt)
     tools = req.functions
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
     new = to_messages(req.items)
     past, prompt_ids, history = [], None, True
     if req.previous_response_id is not None:
-        stored = state.responses.get(req.previous_response_id, salt_of(state, key))
+        stored = state.responses.get(req.previous_response_id, caller.tenant)
         if stored is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         past = stored.messages
@@ -137,14 +138,14 @@ async def responses_job(state, req, key: str | None):
                 raise bad_request(str(exc), param="input") from None
             history = prompt_ids is None  # the stored ids are the prefix: no history form to compute
         if prompt_ids is None:
-            prompt_ids = (await render_conversation(state, conversation, key)).token_ids
+            prompt_ids = (await render_conversation(state, conversation, caller)).token_ids
             _report_anew(state, req, stored, prompt_ids, "instructions or tools differ" if not same else
                          "the template writes the past turns differently from their stored tokens")
     else:
         conversation = Conversation(instructions + new, tools)
-        prompt_ids = (await render_conversation(state, conversation, key)).token_ids
+        prompt_ids = (await render_conversation(state, conversation, caller)).token_ids
     try:
-        job = new_job(state, "responses", model, prompt_ids, id_prefix="resp", api_key=key,
+        job = new_job(state, "responses", model, prompt_ids, id_prefix="resp", caller=caller,
                       max_tokens=req.max_output_tokens,
                       temperature=1.0 if req.temperature is None else req.temperature,
                       top_p=1.0 if req.top_p is None else req.top_p, stream=req.stream, keep_s=req.keep_s,
@@ -210,7 +211,7 @@ def _finish(state, generation, turn: Turn, message_id: str | None) -> dict:
                              output, _usage(generation), incomplete=incomplete)
     if turn.req.store:
         state.responses.put(generation.request_id, StoredResponse(
-            response, job.salt, turn.req.instructions, turn.req.functions,
+            response, job.tenant, turn.req.instructions, turn.req.functions,
             turn.messages + [sample.message()], tuple(job.prompt_ids), tuple(sample.tokens)))
     return response
 

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from radixcache.integrations.serve.errors import APIError, bad_request
-from radixcache.integrations.serve.messages import APIModel
+from radixcache.integrations.serve.messages import APIModel, CacheSalt
 from radixcache.integrations.serve.protocol import keep_seconds
 
 logger = logging.getLogger("radixcache.serve")
@@ -137,6 +137,7 @@ class ResponsesRequest(APIModel):
     """``POST /v1/responses`` (see the module docstring)."""
 
     model: str | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's field, here on every protocol
     input: Union[Annotated[str, Field(min_length=1)], Annotated[list[Item], Field(min_length=1)]]
     instructions: str | None = None
     tools: list[dict] | None = None

@@ -19,6 +19,13 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_RUNNING = 64
 DEFAULT_MAX_QUEUE = 256
 API_KEY_ENV = "RADIXCACHE_API_KEY"
+# input bounds: a body may hold about 32 bytes per context token (JSON, tools and repeated turns
+# included), and never less than 4 MiB
+MIN_REQUEST_BYTES = 4 << 20
+REQUEST_BYTES_PER_CONTEXT_TOKEN = 32
+DEFAULT_MAX_MESSAGES = 4096
+DEFAULT_MAX_TOOLS = 512
+DEFAULT_MAX_STOP = 64
 
 
 def _port(text: str) -> int:
@@ -48,8 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", metavar="KEY", action="append", default=None,
                         help=f"require 'Authorization: Bearer KEY'; repeatable, one key per tenant "
                              f"(also read from ${API_KEY_ENV})")
-    parser.add_argument("--isolate-cache-by-key", action="store_true",
-                        help="share cached prefixes only among requests with the same API key")
+    parser.add_argument("--share-cache-across-keys", action="store_true",
+                        help="share cached prefixes, stored responses and history between API keys (off by "
+                             "default: each key is its own tenant). Any tenant then learns, from its cached "
+                             "tokens and its time to first token, which prefixes the others sent")
+    parser.add_argument("--isolate-cache-by-key", action="store_true", help=argparse.SUPPRESS)  # the default now
     parser.add_argument("--max-running", type=positive_int, metavar="N", default=DEFAULT_MAX_RUNNING,
                         help=f"requests in the running batch at most (default {DEFAULT_MAX_RUNNING})")
     parser.add_argument("--max-queue", type=positive_int, metavar="N", default=DEFAULT_MAX_QUEUE,
@@ -57,11 +67,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", metavar="URL", default=None,
                         help="a shared KV tier: redis://[user:password@]host:port/db (or rediss://, unix://); "
                              "replicas on one store share their prefixes")
+    parser.add_argument("--store-secret-file", metavar="FILE", default=None,
+                        help="a file holding the secret the replicas of --store share: every stored block then "
+                             "carries a MAC and a block without a valid one is a miss (default: the "
+                             "RADIXCACHE_STORE_SECRET environment variable; without either the store trusts "
+                             "whoever can write to its Redis)")
     parser.add_argument("--kv-events", metavar="ENDPOINT", default=None,
                         help="publish the cache's blocks as vLLM KV events on a ZMQ PUB socket bound at "
                              "ENDPOINT, e.g. tcp://127.0.0.1:5557 (for KV-aware routers)")
+    parser.add_argument("--kv-events-allow-remote", action="store_true",
+                        help="let --kv-events bind an address that is not loopback (its events carry every "
+                             "block's token ids: whoever connects reads every tenant's prompts)")
     parser.add_argument("--kv-events-topic", metavar="TOPIC", default="kv",
                         help="the topic frame of every KV event message (default kv)")
+    parser.add_argument("--max-request-bytes", type=positive_int, metavar="N", default=None,
+                        help=f"refuse (413) a request body over N bytes before reading it (default: "
+                             f"{REQUEST_BYTES_PER_CONTEXT_TOKEN} bytes per token of the model's context, at least "
+                             f"{MIN_REQUEST_BYTES >> 20} MiB)")
+    parser.add_argument("--max-messages", type=positive_int, metavar="N", default=DEFAULT_MAX_MESSAGES,
+                        help=f"refuse (413) a request with more messages or input items (default {DEFAULT_MAX_MESSAGES})")
+    parser.add_argument("--max-tools", type=positive_int, metavar="N", default=DEFAULT_MAX_TOOLS,
+                        help=f"refuse (413) a request with more tools (default {DEFAULT_MAX_TOOLS})")
+    parser.add_argument("--max-stop", type=positive_int, metavar="N", default=DEFAULT_MAX_STOP,
+                        help=f"refuse (413) a request with more stop strings (default {DEFAULT_MAX_STOP}; OpenAI's "
+                             "own protocols allow 4)")
+    parser.add_argument("--metrics-require-key", action="store_true",
+                        help="/metrics answers only with an API key (default: open, as vLLM's, for scrapers)")
     parser.add_argument("--max-output-tokens", type=positive_int, metavar="N", default=None,
                         help="cap on the tokens one request generates, on every protocol (default: what "
                              "the context leaves after the prompt)")
@@ -87,16 +118,29 @@ class ServeOptions:
     chat_template: str | None = None  # the template's text, read from --chat-template
     served_model_names: tuple = ()
     api_keys: tuple = ()
-    isolate_cache_by_key: bool = False
+    share_cache_across_keys: bool = False
     max_running: int = DEFAULT_MAX_RUNNING
     max_queue: int = DEFAULT_MAX_QUEUE
     history_precompute: bool = True
     store: str | None = None  # the --store URL
+    store_secret_file: Path | None = None
     kv_events: str | None = None  # the --kv-events endpoint
     kv_events_topic: str = "kv"
     log_level: str = "info"
     max_output_tokens: int | None = None
     log_token_ids: Path | None = None  # the --log-token-ids file
+    max_request_bytes: int | None = None  # None: from the model's context (``request_bytes``)
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    max_tools: int = DEFAULT_MAX_TOOLS
+    max_stop: int = DEFAULT_MAX_STOP
+    metrics_require_key: bool = False
+    kv_events_allow_remote: bool = False
+
+    def request_bytes(self, context_tokens: int) -> int:
+        """The body bound: ``--max-request-bytes``, else from the model's context."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_CONTEXT_TOKEN * context_tokens)
 
     @property
     def max_in_flight(self) -> int:
@@ -125,17 +169,37 @@ class ServeOptions:
             keys = [os.environ[API_KEY_ENV]]
         if any(not k.strip() for k in keys):
             raise ValueError("--api-key: a key must not be empty")
-        if args.isolate_cache_by_key and not keys:
-            raise ValueError("--isolate-cache-by-key needs at least one --api-key")
+        if getattr(args, "isolate_cache_by_key", False) and getattr(args, "share_cache_across_keys", False):
+            raise ValueError("--isolate-cache-by-key and --share-cache-across-keys contradict each other "
+                             "(isolation is the default: drop --isolate-cache-by-key)")
+        if getattr(args, "share_cache_across_keys", False) and not keys:
+            raise ValueError("--share-cache-across-keys needs at least one --api-key")
         if args.max_cache_tokens is not None and args.max_cache_tokens < args.block_size:
             raise ValueError(f"--max-cache-tokens {args.max_cache_tokens} is smaller than one block "
                              f"(--block-size {args.block_size})")
         store = getattr(args, "store", None)
         if store is not None and not store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--store {store}: expected a redis://, rediss:// or unix:// URL")
+        secret_file = getattr(args, "store_secret_file", None)
+        if secret_file is not None:
+            if store is None:
+                raise ValueError("--store-secret-file needs --store")
+            secret_file = Path(secret_file).expanduser()
+            if not secret_file.is_file():
+                raise ValueError(f"--store-secret-file {secret_file}: no such file")
         kv_events = getattr(args, "kv_events", None)
         if kv_events is not None and "://" not in kv_events:
             raise ValueError(f"--kv-events {kv_events}: expected a ZMQ endpoint such as tcp://127.0.0.1:5557")
+        remote = getattr(args, "kv_events_allow_remote", False)
+        if kv_events is not None and not remote:
+            from radixcache.kv_events.publisher import is_local_endpoint
+
+            if not is_local_endpoint(kv_events):
+                raise ValueError(f"--kv-events {kv_events}: not a loopback address; KV events carry every "
+                                 "block's token ids (every tenant's prompts): add --kv-events-allow-remote to "
+                                 "bind it anyway")
+        if getattr(args, "metrics_require_key", False) and not keys:
+            raise ValueError("--metrics-require-key needs at least one --api-key")
         topic = getattr(args, "kv_events_topic", "kv")
         log_file = getattr(args, "log_token_ids", None)
         if log_file is not None:
@@ -145,8 +209,15 @@ class ServeOptions:
         return cls(model=model, dtype=getattr(args, "dtype", "auto"), host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
                    block_size=args.block_size, chat_template=template,
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
-                   isolate_cache_by_key=args.isolate_cache_by_key, max_running=args.max_running,
+                   share_cache_across_keys=getattr(args, "share_cache_across_keys", False),
+                   max_running=args.max_running,
                    max_queue=args.max_queue, history_precompute=not args.no_history_precompute,
-                   store=store, kv_events=kv_events, kv_events_topic=topic, log_level=args.log_level,
+                   store=store, store_secret_file=secret_file, kv_events=kv_events, kv_events_topic=topic, log_level=args.log_level,
                    max_output_tokens=getattr(args, "max_output_tokens", None),
+                   max_request_bytes=getattr(args, "max_request_bytes", None),
+                   max_messages=getattr(args, "max_messages", DEFAULT_MAX_MESSAGES),
+                   max_tools=getattr(args, "max_tools", DEFAULT_MAX_TOOLS),
+                   max_stop=getattr(args, "max_stop", DEFAULT_MAX_STOP),
+                   metrics_require_key=getattr(args, "metrics_require_key", False),
+                   kv_events_allow_remote=remote,
                    log_token_ids=log_file)

@@ -14,7 +14,7 @@ What is honoured: every message role (system, developer, user, assistant with ``
 tokens alone; ``prompt_cache_key`` (a session) and ``prompt_cache_retention`` ("in_memory": a few
 minutes, "24h": a day; anything else is a 400) become a retention hint (``keep_s``): what the
 request computed is evicted only after prefixes without a live hint. A key without a retention means
-"in_memory", OpenAI's default. Fields that would change
+"in_memory", OpenAI's default. ``cache_salt`` (vLLM's) narrows which requests share cached blocks. Fields that would change
 the output but are not implemented (penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1)
 are refused with 400 rather than ignored; fields that change nothing here (``user``, ``metadata``,
 ``store``, ...) and unknown fields are accepted and ignored.
@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from radixcache.integrations.serve.constraints import OutputConstraint, json_constraint, tool_call_constraint
 from radixcache.integrations.serve.errors import APIError, bad_request
-from radixcache.integrations.serve.messages import ROLES, APIModel, Message, NamedToolChoice, Tool
+from radixcache.integrations.serve.messages import ROLES, APIModel, CacheSalt, Message, NamedToolChoice, Tool
 
 MAX_N = 128
 MAX_STOP_SEQUENCES = 4
@@ -65,6 +65,7 @@ class _Sampling(APIModel):
     seed: Annotated[int, Field(strict=True)] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    cache_salt: CacheSalt | None = None
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

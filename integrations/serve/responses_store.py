@@ -9,8 +9,8 @@ instructions and the function tools apart, since those do not carry over to the 
 (``max_bytes``: ids at 4 bytes a token plus the JSON size of the messages and the response object)
 and in time (``ttl_s`` since a response was stored): storing one drops expired and then least
 recently used responses until the rest fits; a response larger than the whole bound is not kept.
-Every lookup names the tenant salt: a response stored under one ``--isolate-cache-by-key`` key is
-not found with another. Used from the event loop only.
+Every lookup names the tenant (``job.Caller.tenant``): a response stored by one API key is not found
+with another (unless ``--share-cache-across-keys``). Used from the event loop only.
 """
 
 from __future__ import annotations

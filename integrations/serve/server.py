@@ -54,10 +54,11 @@ def load_engine(options: ServeOptions, info):
     if options.kv_events is not None:
         from radixcache.kv_events import KVEventPublisher
 
-        publisher = KVEventPublisher(options.kv_events, topic=options.kv_events_topic)
+        publisher = KVEventPublisher(options.kv_events, topic=options.kv_events_topic,
+                                     allow_remote=options.kv_events_allow_remote)
     try:
         lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens,
-                             store=options.store, kv_events=publisher)
+                             store=store_url(options), kv_events=publisher)
     except BaseException:
         if publisher is not None:
             publisher.close()
@@ -74,6 +75,15 @@ def load_engine(options: ServeOptions, info):
                        max_context_tokens=info.max_context_tokens, close_lm=True, compute_threads=threads)
 
 
+def store_url(options: ServeOptions) -> str | None:
+    """``--store`` with ``--store-secret-file`` carried as its ``secret_file`` query option."""
+    if options.store is None or options.store_secret_file is None:
+        return options.store
+    from urllib.parse import quote
+
+    return options.store + ("&" if "?" in options.store else "?") + "secret_file=" + quote(str(options.store_secret_file))
+
+
 def main(args) -> int:
     """Run the server for parsed ``radixcache serve`` arguments; returns the exit status."""
     try:
@@ -88,6 +98,9 @@ def main(args) -> int:
         print(f"radixcache serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=options.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "isolate_cache_by_key", False):
+        logger.warning("--isolate-cache-by-key is the default now (each API key is its own tenant); "
+                       "the flag does nothing and will go")
     try:
         state = build_state(options)
         state.attach_engine(load_engine(options, state.info))

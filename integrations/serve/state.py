@@ -85,6 +85,7 @@ class ServerState:
         self.renderer = ChatRenderer(tokenizer, options.chat_template)
         self.grammars = Grammars(tokenizer, info.vocab_size, info.stop_token_ids)  # compiles on first use
         self.model_names = tuple(options.served_model_names) or (info.name,)
+        self.max_request_bytes = options.request_bytes(info.max_context_tokens)
         self.metrics = ServerMetrics()
         self.attach_engine(engine)
         self.gate = AdmissionGate(options.max_in_flight)

@@ -9,6 +9,11 @@ subscribers connect and subscribe to the topic. A subscriber that joins late see
 then on; ``CacheManager.resync_events`` (or ``RadixCache.resync_events``) republishes the whole
 state for it.
 
+Every ``BlockStored`` carries the block's token ids: a subscriber reads every tenant's prompts, block
+by block. So the endpoint must be local (``tcp://`` on a loopback address, ``ipc://``,
+``inproc://``) unless ``allow_remote``: binding anything else (``tcp://0.0.0.0:5557``, a LAN
+address, ``tcp://*:5557``) is refused without it, and logged as a warning with it.
+
 The tree never waits on this: it queues references to its own bytes in a ``BlockEventLog``
 (bounded, drops counted, recovering by a full resync) and returns; this thread computes the
 digests, encodes and sends (a PUB socket drops what a slow subscriber cannot take, past ``hwm``
@@ -26,6 +31,21 @@ from radixcache.kv_events.translate import EventTranslator
 
 logger = logging.getLogger("radixcache")
 _INSTALL = "KV events need pyzmq and msgpack: pip install 'radixcache[events]'"
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint can only be reached from this machine: ``ipc://`` and ``inproc://``,
+    or ``tcp://`` on a loopback address (127.0.0.0/8, localhost, ::1)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rpartition(":")[0] if rest.count(":") else rest
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
 def _modules():
@@ -47,15 +67,23 @@ class KVEventPublisher:
     ``max_batch`` the records per batch; ``hwm`` the messages the socket keeps per subscriber.
     Attach it with ``CacheManager.use_events`` (or ``RadixCache.set_event_log(publisher.log)``);
     ``flush`` waits until everything queued so far is sent, ``close`` flushes and unbinds.
-    Raises ``ValueError`` naming the endpoint when it cannot bind, ``ImportError`` without pyzmq.
+    Raises ``ValueError`` naming the endpoint when it cannot bind, or when it is not local and
+    ``allow_remote`` is False (module docstring); ``ImportError`` without pyzmq.
     """
 
     def __init__(self, endpoint: str, *, topic: str = "kv", medium: str | None = "GPU",
                  dp_rank: int = 0, max_queue: int = 100_000, max_batch: int = 1024,
-                 hwm: int = 100_000):
+                 hwm: int = 100_000, allow_remote: bool = False):
         if not isinstance(endpoint, str) or not endpoint:
             raise TypeError(f"kv_events endpoint must be a non-empty str such as "
                             f"'tcp://127.0.0.1:5557', got {endpoint!r}")
+        if "://" in endpoint and not is_local_endpoint(endpoint):  # a malformed one fails to bind below
+            if not allow_remote:
+                raise ValueError(f"kv_events: {endpoint!r} is not a loopback address; KV events carry every "
+                                 "block's token ids (every tenant's prompts), so binding it needs allow_remote "
+                                 "(radixcache serve: --kv-events-allow-remote)")
+            logger.warning("KV events bound on %s: anyone who can connect there reads every block's token ids",
+                           endpoint)
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {topic!r}")
         if medium is not None and not isinstance(medium, str):

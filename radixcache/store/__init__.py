@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 STORE_COUNTERS = ("store_hit_tokens", "store_miss_blocks", "store_written_blocks",
                   "store_dropped_blocks", "store_bytes_read", "store_bytes_written", "store_errors",
-                  "store_bad_values", "store_present_blocks")
+                  "store_bad_values", "store_present_blocks", "store_unauthenticated_blocks")
 """Counters every store reports (all ints, monotone, readable after ``close``):
 
 - ``store_hit_tokens``: tokens of verified blocks ``fetch`` handed back;
@@ -27,7 +27,10 @@ STORE_COUNTERS = ("store_hit_tokens", "store_miss_blocks", "store_written_blocks
 - ``store_bytes_read``: value bytes received from the store;
 - ``store_errors``: failed store operations (connection, timeout, refused command);
 - ``store_bad_values``: values that failed verification (each one a miss; its key is deleted);
-- ``store_present_blocks``: offered blocks the store already held (not sent again).
+- ``store_present_blocks``: offered blocks the store already held (not sent again);
+- ``store_unauthenticated_blocks``: values without a valid MAC under the store's secret (forged,
+  written without the secret, or changed since; each one a miss, also counted in
+  ``store_bad_values``; its key is deleted). Always 0 for a store without a secret.
 """
 
 

@@ -4,7 +4,8 @@ Exact bytes (every integer little-endian; ``frame(b) = u32(len(b)) || b``):
 
 - namespace digest ``N = BLAKE2b-256(person=b"radixcache-ns", frame(u16 FORMAT_VERSION) ||
   frame(model) || frame(kv_dtype) || frame(u32 block_size) || frame(layout) ||
-  frame(u32 * shape) || frame(encode_namespace(namespace)))``, strings UTF-8;
+  frame(u32 * shape) || frame(encode_namespace(namespace)) [|| frame(b"mac:blake3") for a store
+  with a secret])``, strings UTF-8;
 - block digest ``D_i = BLAKE2b-256(person=b"radixcache-blk", frame(u16 FORMAT_VERSION) || frame(N) ||
   frame(D_{i-1}) || frame(u32 * tokens[i*bs:(i+1)*bs]))`` with ``D_{-1} = b""``;
 - the store key of block ``i`` is ``key_prefix || hex(D_i)``;
@@ -115,13 +116,17 @@ def encode_namespace(namespace: tuple) -> bytes:
     return b"".join(parts)
 
 
-def namespace_digest(fmt: BlockFormat, namespace: tuple) -> bytes:
-    """``N``: the 32-byte digest of the block format and the manager's namespace tuple."""
+def namespace_digest(fmt: BlockFormat, namespace: tuple, sealed: bool = False) -> bytes:
+    """``N``: the 32-byte digest of the block format and the manager's namespace tuple; a store
+    whose values carry a MAC (``sealed``) adds ``frame(b"mac:blake3")``, so it never shares a key
+    with a store without a secret (they would delete each other's values as bad)."""
     h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_NS_PERSON)
     for part in (_VERSION, fmt.model.encode("utf-8"), fmt.kv_dtype.encode(),
                  struct.pack("<I", fmt.block_size), fmt.layout.encode(),
                  struct.pack(f"<{len(fmt.shape)}I", *fmt.shape), encode_namespace(namespace)):
         h.update(frame(part))
+    if sealed:
+        h.update(frame(b"mac:blake3"))
     return h.digest()
 
 

@@ -17,15 +17,20 @@ Exact bytes (every integer little-endian), for a block of ``t`` tokens:
     100+n+4t   4s    scales, f32 each (layer 0 K, layer 0 V, layer 1 K, ...)
     100+n+4t+4s 8    u64 payload length P (== prod(shape) x itemsize)
     H          P     payload: K/V bytes in C order over shape, storage dtype
-    H+P        16    xxh3-128 (canonical big-endian digest) of bytes [0, H+P)
+    H+P        T     the seal of bytes [0, H+P): without a store secret, xxh3-128 (16 bytes, the
+                     canonical big-endian digest: catches corruption, not a forger); with one,
+                     keyed BLAKE3 (32 bytes: a MAC, ``mac_key``)
 
-``decode_value`` checks the size, the checksum, every header field against what the reader expects
+``decode_value`` checks the size, the seal, every header field against what the reader expects
 (namespace, chain digest, tokens, dtype, shape, scale count) and raises ``BadValue`` on the first
-mismatch: the caller treats it as a miss. No pickle: nothing in a value is ever executed.
+mismatch (``Unauthenticated`` when the MAC does not match): the caller treats it as a miss. The
+header holds the block's chain digest and tokens, so a MAC also binds the value to its key: a value
+copied under another key fails. No pickle: nothing in a value is ever executed.
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 from collections.abc import Sequence
 
@@ -36,10 +41,41 @@ from radixcache.store.keys import DIGEST_SIZE, FORMAT_VERSION, BlockFormat, toke
 
 MAGIC = b"RCKV"
 CHECKSUM_SIZE = 16
+MAC_SIZE = 32
+_MAC_CONTEXT = "radixcache 2026-12-06 shared KV tier block MAC"
 
 
 class BadValue(ValueError):
     """A stored value that must not be used: truncated, corrupted, or made for another block/format."""
+
+
+class Unauthenticated(BadValue):
+    """A value whose MAC does not check out under the store's secret: written without the secret
+    (or with another one), or changed since."""
+
+
+def mac_key(secret: bytes | str) -> bytes:
+    """The 32-byte BLAKE3 key of a store secret (any bytes, e.g. a file's contents), derived with
+    BLAKE3's key derivation mode (so a secret is never used as a key of two purposes)."""
+    import blake3
+
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not secret:
+        raise ValueError("a store secret must not be empty")
+    return blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest()
+
+
+def _seal(key: bytes | None, header, payload) -> bytes:
+    if key is None:
+        check = xxhash.xxh3_128(header)
+        check.update(payload)
+        return check.digest()
+    import blake3
+
+    mac = blake3.blake3(header, key=key)
+    mac.update(payload)
+    return mac.digest()
 
 
 def header_size(fmt: BlockFormat) -> int:
@@ -48,14 +84,15 @@ def header_size(fmt: BlockFormat) -> int:
             + 4 + 4 * fmt.block_size + 4 + 4 * fmt.num_scales + 8)
 
 
-def value_size(fmt: BlockFormat) -> int:
-    """Exact length of every value of ``fmt``."""
-    return header_size(fmt) + fmt.payload_bytes + CHECKSUM_SIZE
+def value_size(fmt: BlockFormat, sealed: bool = False) -> int:
+    """Exact length of every value of ``fmt`` (``sealed``: with a MAC, not a checksum)."""
+    return header_size(fmt) + fmt.payload_bytes + (MAC_SIZE if sealed else CHECKSUM_SIZE)
 
 
 def encode_value(fmt: BlockFormat, ns: bytes, digest: bytes, tokens: Sequence[int],
-                 kv: BlockKV) -> bytes:
-    """The value of one block: ``kv`` must match ``fmt`` (dtype, shape, size, scale count)."""
+                 kv: BlockKV, key: bytes | None = None) -> bytes:
+    """The value of one block: ``kv`` must match ``fmt`` (dtype, shape, size, scale count);
+    ``key`` (``mac_key``): sealed with a MAC instead of a checksum."""
     payload = memoryview(kv.data).cast("B")
     if kv.dtype != fmt.kv_dtype or tuple(kv.shape) != tuple(fmt.shape):
         raise ValueError(f"block is {kv.dtype}{tuple(kv.shape)}, the store holds "
@@ -75,9 +112,7 @@ def encode_value(fmt: BlockFormat, ns: bytes, digest: bytes, tokens: Sequence[in
         struct.pack(f"<I{len(kv.scales)}f", len(kv.scales), *kv.scales),
         struct.pack("<Q", len(payload)),
     ])
-    check = xxhash.xxh3_128(header)
-    check.update(payload)
-    return b"".join([header, payload, check.digest()])
+    return b"".join([header, payload, _seal(key, header, payload)])
 
 
 class _Reader:
@@ -97,15 +132,23 @@ class _Reader:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))
 
 
-def decode_value(data, fmt: BlockFormat, ns: bytes, digest: bytes, tokens: Sequence[int]) -> BlockKV:
-    """The verified K/V in ``data`` (zero-copy views into it), or ``BadValue`` saying what is wrong."""
+def decode_value(data, fmt: BlockFormat, ns: bytes, digest: bytes, tokens: Sequence[int],
+                 key: bytes | None = None) -> BlockKV:
+    """The verified K/V in ``data`` (zero-copy views into it), or ``BadValue`` saying what is wrong
+    (``Unauthenticated`` for a value without a valid MAC under ``key``, when ``key`` is given)."""
     view = memoryview(data).cast("B")
-    want = value_size(fmt)
+    want = value_size(fmt, key is not None)
     if len(view) != want:
+        if key is not None and len(view) == value_size(fmt, False):
+            raise Unauthenticated("the value carries a checksum, not a MAC (written without the store secret)")
         raise BadValue(f"value is {len(view)} bytes, a block of this format is {want}")
-    body, stored = view[:-CHECKSUM_SIZE], bytes(view[-CHECKSUM_SIZE:])
-    if xxhash.xxh3_128_digest(body) != stored:
-        raise BadValue("checksum mismatch")
+    seal = MAC_SIZE if key is not None else CHECKSUM_SIZE
+    body, stored = view[:-seal], bytes(view[-seal:])
+    if key is None:
+        if xxhash.xxh3_128_digest(body) != stored:
+            raise BadValue("checksum mismatch")
+    elif not hmac.compare_digest(_seal(key, body, b""), stored):
+        raise Unauthenticated("MAC mismatch (written without this store secret, or changed since)")
     r = _Reader(body)
     if bytes(r.take(4)) != MAGIC:
         raise BadValue("not a radixcache value (bad magic)")
