@@ -28,7 +28,7 @@ from agent_client_loops import CLIENTS  # noqa: E402
 from report import table  # noqa: E402
 from server_process import free_port  # noqa: E402
 
-from radixcache.integrations.serve.token_log import ideal_cached, read_token_log  # noqa: E402
+from radixcache.integrations.serve.telemetry.token_log import ideal_cached, read_token_log  # noqa: E402
 
 TARGET = 0.95
 MODEL_NAME, KEY = "smollm2", "bench-key"

@@ -40,7 +40,7 @@ from report import fmt, median, percentile, table  # noqa: E402
 from server_process import ServerProcess, free_port  # noqa: E402
 from smg_cluster import Router, replica_command, served_by  # noqa: E402
 
-from radixcache.integrations.serve.token_log import ideal_cached  # noqa: E402
+from radixcache.integrations.serve.telemetry.token_log import ideal_cached  # noqa: E402
 
 
 class Group:

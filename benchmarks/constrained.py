@@ -4,7 +4,7 @@ the same step of B free ones, and the grammar work of a step measured on its own
 
 Workload: the embedded SmolLM2-135M-Instruct (fp32, CPU unless ``--device``), B = 16 sequences, each
 a distinct P-token prompt (seeded random ids), greedy. Constrained rows follow a strict json_schema
-grammar (xgrammar, compiled once by the server's compiler ``integrations/serve/grammar.py``) whose
+grammar (xgrammar, compiled once by the server's compiler ``integrations/serve/requests/structured.py``) whose
 documents are long (an object holding a 256-entry array of small objects), so no row ends within
 the measured steps; free rows have EOS off. Per repetition, for each side in turn: a fresh engine
 on a cleared cache, every prompt prefilled, then S decode steps timed one by one
@@ -112,8 +112,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
 
     import radixcache
-    from radixcache.integrations.serve.constraints import json_constraint
-    from radixcache.integrations.serve.grammar import Grammars
+    from radixcache.integrations.serve.requests.structured import json_constraint
+    from radixcache.integrations.serve.requests.structured import Grammars
     from radixcache.models import load_model
 
     model, tokenizer = load_model(device=args.device)

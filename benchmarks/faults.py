@@ -141,7 +141,7 @@ class Reference:
         plain greedy ``generate`` on their prompt (a stop token included)."""
         import torch
 
-        from radixcache.integrations.serve.token_log import read_token_log
+        from radixcache.integrations.serve.telemetry.token_log import read_token_log
 
         checked = wrong = 0
         stops = sorted(self.info.stop_token_ids)
@@ -272,7 +272,7 @@ class InProcessServer:
 
         import radixcache
         from radixcache.integrations.serve.app import create_app
-        from radixcache.integrations.serve.local_engine import LocalEngine
+        from radixcache.integrations.serve.engine.local import LocalEngine
         from radixcache.integrations.serve.options import ServeOptions
         from radixcache.integrations.serve.server import build_state
 

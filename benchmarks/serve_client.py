@@ -57,7 +57,7 @@ class Workload:
 
     def __init__(self, tokenizer, system_tokens: int, template: str | None = None):
         from radixcache.app.demo import build_system_prompt
-        from radixcache.integrations.serve.chat_template import ChatRenderer
+        from radixcache.integrations.serve.requests.chat_template import ChatRenderer
 
         self.system, self.tools = build_system_prompt(tokenizer, system_tokens)
         self.renderer = ChatRenderer(tokenizer, template)
@@ -73,7 +73,7 @@ class Workload:
         return len(ids), ids
 
     def history(self, messages) -> tuple:
-        from radixcache.integrations.serve.history import history_tokens
+        from radixcache.integrations.serve.history.forms import history_tokens
 
         return history_tokens(self.renderer, messages)
 

@@ -131,14 +131,14 @@ class BlockAllocator:
 
     def retain(self, blocks: Iterable[int]) -> None:
         """Add one reference to each block (twice if named twice); every block must be in use."""
-        self.retain_checked(self.check_held(blocks, "retain"))
+        self.retain_checked(self.require_held(blocks, "retain"))
 
     def release(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block; a block whose count reaches 0 is free again.
 
         Releasing a free block (or one block more often than it is held) raises ``CacheError``.
         """
-        ids = self.check_held(blocks, "release")
+        ids = self.require_held(blocks, "release")
         if not ids:
             return
         if len(ids) < VECTOR_MIN:
@@ -171,7 +171,7 @@ class BlockAllocator:
             if counts[block] == 0:
                 free.append(block)
 
-    def check_held(self, blocks: Iterable[int], what: str) -> array:
+    def require_held(self, blocks: Iterable[int], what: str) -> array:
         """Validate ``blocks`` and return them as an ``array('I')``: ``TypeError`` unless every id is
         an int, ``CacheError`` unless every id is in range and in use (count >= 1)."""
         ids = as_block_ids(blocks, what)
@@ -216,7 +216,7 @@ class BlockAllocator:
         return not (v[1:] == v[:-1]).any()
 
     def retain_checked(self, ids: array, distinct: bool = False) -> None:
-        """``retain`` for ids ``check_held`` returned (the hot path of tree inserts); ``distinct``
+        """``retain`` for ids ``require_held`` returned (the hot path of tree inserts); ``distinct``
         says the caller knows no id is named twice."""
         if len(ids) < VECTOR_MIN:
             counts = self._counts

@@ -219,3 +219,11 @@ def load_model(model: str | os.PathLike | None = None, dtype="float32", device="
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     return loaded.to(device).eval(), tokenizer
 
+
+def context_length(config) -> int:
+    """The context length a model config names (``max_position_embeddings`` / ``n_positions``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    length = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if not length:
+        raise ValueError("the model config names no context length (max_position_embeddings)")
+    return int(length)

@@ -33,7 +33,7 @@ def scripted_model():
 @lru_cache(maxsize=1)
 def grammars():
     """The server's grammar compiler for the embedded tokenizer (EOS stops every grammar)."""
-    from radixcache.integrations.serve.grammar import Grammars
+    from radixcache.integrations.serve.requests.structured import Grammars
 
     tokenizer = embedded_tokenizer()
     return Grammars(tokenizer, len(tokenizer), {EOS})

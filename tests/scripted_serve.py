@@ -20,9 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import uvicorn  # noqa: E402
 
 import radixcache  # noqa: E402
-from radixcache.integrations.serve import job, openai_completions, openai_responses  # noqa: E402
+from radixcache.integrations.serve.protocols.openai import (completions as openai_completions,
+                                                            responses as openai_responses)
+from radixcache.integrations.serve.requests import job  # noqa: E402
 from radixcache.integrations.serve.app import create_app  # noqa: E402
-from radixcache.integrations.serve.local_engine import LocalEngine  # noqa: E402
+from radixcache.integrations.serve.engine.local import LocalEngine  # noqa: E402
 from radixcache.integrations.serve.options import ServeOptions  # noqa: E402
 from radixcache.integrations.serve.server import build_state  # noqa: E402
 from serve_helpers import scripted_llama_class  # noqa: E402

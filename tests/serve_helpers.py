@@ -236,7 +236,7 @@ class Served:
     def __init__(self, model_dir, lm_options=None, engine_options=None, model_class=None, **options):
         import radixcache
         from radixcache.integrations.serve.app import create_app
-        from radixcache.integrations.serve.local_engine import LocalEngine
+        from radixcache.integrations.serve.engine.local import LocalEngine
         from radixcache.integrations.serve.options import ServeOptions
         from radixcache.integrations.serve.server import build_state
 

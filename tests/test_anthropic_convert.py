@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from radixcache.integrations.serve.anthropic_convert import (conversation_of, echoed_reply, renders_inline_system,
+from radixcache.integrations.serve.protocols.anthropic.convert import (conversation_of, echoed_reply, renders_inline_system,
                                                              reply_blocks, retain_seconds, tool_mode)
-from radixcache.integrations.serve.anthropic_protocol import parse_messages_request
-from radixcache.integrations.serve.chat_template import ChatRenderer
+from radixcache.integrations.serve.protocols.anthropic.requests import parse_messages_request
+from radixcache.integrations.serve.requests.chat_template import ChatRenderer
 from radixcache.integrations.serve.errors import APIError
 from serve_helpers import TOOLS_TEMPLATE, embedded_tokenizer, tokenizer_with_template
 

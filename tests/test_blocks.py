@@ -365,9 +365,9 @@ def test_long_calls_refuse_non_ints_and_bools_anywhere():
         for at in (0, 57, 199):
             ids = list(held)
             ids[at] = bad
-            for op in (alloc.retain, alloc.release, alloc.check_held):
+            for op in (alloc.retain, alloc.release, alloc.require_held):
                 with pytest.raises(TypeError):
-                    op(ids) if op != alloc.check_held else op(ids, "test")
+                    op(ids) if op != alloc.require_held else op(ids, "test")
             assert snapshot(alloc) == before
     for arr in (np.array(held, dtype=np.float64), np.array(held, dtype=bool), np.array([held, held])):
         with pytest.raises(TypeError):

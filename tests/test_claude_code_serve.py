@@ -16,7 +16,7 @@ import json
 import sys
 
 from agent_sandbox import Sandbox, claude_argv, claude_env
-from radixcache.integrations.serve.token_log import read_token_log
+from radixcache.integrations.serve.telemetry.token_log import read_token_log
 from radixcache.tokens import common_prefix
 from serve_helpers import write_model_dir
 

@@ -25,7 +25,7 @@ import torch
 import transformers as tf
 
 from agent_sandbox import Sandbox, codex_argv, codex_env, codex_home
-from radixcache.integrations.serve.token_log import ideal_cached, read_token_log
+from radixcache.integrations.serve.telemetry.token_log import ideal_cached, read_token_log
 from serve_helpers import write_model_dir
 
 BS = 16

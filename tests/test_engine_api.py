@@ -134,7 +134,10 @@ def test_a_request_waiting_on_a_prefill_promotes_it_and_shares_its_blocks(model)
     assert order.index(("pre", True)) < order.index(("bulk", False))  # before bulk's prompt is done
     turn_final = next(e for e in events if e.request_id == "turn" and e.finished)
     assert turn_final.cached_tokens == 48
-    assert lm.stats()["computed_prompt_tokens"] == 120 + 48 + 6
+    # the ledger counts what clients asked (the background prefill is not a query), the engine
+    # every token it computed: each prompt once, and one decode each for bulk's and turn's 2nd token
+    assert lm.stats()["computed_prompt_tokens"] == 120 + 6
+    assert engine.metrics.step_tokens == 120 + 48 + 6 + 2
     assert tokens_of(events, "turn") == plain_greedy(model, turn, 2)
 
 
@@ -155,7 +158,8 @@ def test_a_request_is_not_held_back_by_a_prefill_that_has_not_started(model):
     events = first + drain(engine)
     assert next(e for e in events if e.request_id == "turn").cached_tokens == 0
     assert next(e for e in events if e.request_id == "pre").finish_reason == FINISH_PREFILLED
-    assert lm.stats()["computed_prompt_tokens"] == len(turn) + 1
+    assert lm.stats()["computed_prompt_tokens"] == len(turn)  # the ledger: the client's request
+    assert engine.metrics.step_tokens == len(turn) + 1 + 1  # turn's decode, then pre's last token
     assert tokens_of(events, "turn") == plain_greedy(model, turn, 2)
 
 

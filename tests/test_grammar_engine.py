@@ -1,7 +1,7 @@
 """Grammar-constrained sampling in the engine (properties over generated schemas) and logprobs.
 
 A tiny random Llama over the embedded tokenizer's vocabulary; grammars from the server's compiler
-(``integrations/serve/grammar.py``). Random weights write random text, so the schemas are bounded
+(``integrations/serve/requests/structured.py``). Random weights write random text, so the schemas are bounded
 (every document is short) and the outputs must end with the grammar; a scripted model writes a
 chosen valid document to compare constrained and unconstrained greedy output.
 """
@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 import radixcache
 from grammar_cases import EOS, dumps, grammars, object_schema, scripted_model, tool_set
 from radixcache.engine import BatchRun, Request, SamplingParams
-from radixcache.integrations.serve.constraints import json_constraint, tool_call_constraint
-from radixcache.integrations.serve.grammar import tokenizer_info
-from radixcache.integrations.serve.tool_calls import format_tool_call, parse_tool_calls
+from radixcache.integrations.serve.requests.structured import (json_constraint, tool_call_constraint,
+                                                               tokenizer_info)
+from radixcache.integrations.serve.requests.tool_calls import format_tool_call, parse_tool_calls
 from serve_helpers import embedded_tokenizer
 
 PROPERTY = settings(max_examples=12, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate],

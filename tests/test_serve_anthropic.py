@@ -15,9 +15,9 @@ import anthropic
 import httpx
 import pytest
 
-from radixcache.integrations.serve import anthropic_messages
-from radixcache.integrations.serve.history import history_tokens
-from radixcache.integrations.serve.token_log import read_token_log
+from radixcache.integrations.serve.protocols.anthropic import messages as anthropic_messages
+from radixcache.integrations.serve.history.forms import history_tokens
+from radixcache.integrations.serve.telemetry.token_log import read_token_log
 from serve_helpers import TOOLS_TEMPLATE, Served, keyed_served, write_model_dir
 
 BS = 16

@@ -9,7 +9,7 @@ rendered with the same switch)."""
 import anthropic
 import pytest
 
-from radixcache.integrations.serve.token_log import read_token_log
+from radixcache.integrations.serve.telemetry.token_log import read_token_log
 from serve_helpers import Served, write_model_dir
 
 MODEL = "tiny-smol"

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixcache.integrations.serve.chat_template import TOOLS_HEADER, ChatRenderer, RenderError
-from radixcache.integrations.serve.tool_calls import ToolCallStream, format_tool_call, parse_tool_calls
+from radixcache.integrations.serve.requests.chat_template import TOOLS_HEADER, ChatRenderer, RenderError
+from radixcache.integrations.serve.requests.tool_calls import ToolCallStream, format_tool_call, parse_tool_calls
 from serve_helpers import TOOLS_TEMPLATE, embedded_tokenizer, tokenizer_with_template
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",

@@ -4,7 +4,7 @@
 import httpx
 import pytest
 
-from radixcache.integrations.serve.token_log import read_token_log
+from radixcache.integrations.serve.telemetry.token_log import read_token_log
 from serve_helpers import Served, write_model_dir
 
 KEY = "sk-common"
@@ -84,7 +84,7 @@ def test_token_log_has_one_exact_line_per_request(served):
 
 
 def test_ideal_cached_is_the_longest_covered_prefix_in_whole_blocks():
-    from radixcache.integrations.serve.token_log import ideal_cached
+    from radixcache.integrations.serve.telemetry.token_log import ideal_cached
 
     line = lambda prompt, *outs: {"prompt_ids": list(prompt), "output_ids": [list(o) for o in outs]}
     lines = [line(range(10), [50, 51, 52]),

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixcache.integrations.serve.detokenize import TextAssembler
+from radixcache.integrations.serve.requests.detokenize import TextAssembler
 from serve_helpers import embedded_tokenizer
 
 EOS = 2

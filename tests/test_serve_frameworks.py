@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from radixcache.integrations.serve.token_log import ideal_cached, read_token_log
+from radixcache.integrations.serve.telemetry.token_log import ideal_cached, read_token_log
 from serve_helpers import Served, write_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -319,9 +319,19 @@ def test_a_model_the_engine_cannot_serve_is_refused():
     """Attention the engine does not compute (GPT-OSS sinks): the server refuses the model rather
     than answer with tokens that may be wrong."""
     import radixcache
-    from radixcache.integrations.serve.local_engine import LocalEngine
+    from radixcache.integrations.serve.engine.local import LocalEngine
     from test_unsupported_attention import gpt_oss
 
     lm = radixcache.wrap(gpt_oss(), block_size=4, max_cache_tokens=512)
     with pytest.raises(ValueError, match="cannot run on radixcache's engine: .*s_aux"):
         LocalEngine(lm)
+
+
+def test_a_prompt_outside_the_vocabulary_is_a_400_naming_the_id_and_the_field(served, client):
+    """The engine's one validation pass: the id and the field come back as OpenAI's ``param``."""
+    response = httpx.post(served.base_url + "/v1/completions", json={"prompt": [5, 10 ** 6]}, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "token id 1000000 is outside the vocabulary" in error["message"]
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model="tiny-smol", prompt=[5, 10 ** 6])

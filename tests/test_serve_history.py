@@ -4,12 +4,13 @@ with the embedded SmolLM2 template and two drifting ones; divergences are found 
 import pytest
 
 from radixcache.app.demo import build_system_prompt
-from radixcache.integrations.serve import history as H
-from radixcache.integrations.serve.chat_template import ChatRenderer
-from radixcache.integrations.serve.history import (classify_hit, common_prefix, history_after_reply,
+from radixcache.integrations.serve.history import forms as H
+from radixcache.integrations.serve.requests.chat_template import ChatRenderer
+from radixcache.integrations.serve.history.forms import (classify_hit, common_prefix, history_after_reply,
                                                    history_tokens)
-from radixcache.integrations.serve.responses import assistant_message, tool_call_objects
-from radixcache.integrations.serve.tool_calls import format_tool_call, parse_tool_calls
+from radixcache.integrations.serve.requests.job import assistant_message
+from radixcache.integrations.serve.requests.tool_calls import (tool_call_objects, format_tool_call,
+                                                               parse_tool_calls)
 from serve_helpers import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK, TOOLS_TEMPLATE, embedded_tokenizer
 
 EOS = 2

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixcache.integrations.serve.history_index import HistoryIndex
+from radixcache.integrations.serve.history.index import HistoryIndex
 from radixcache.tokens import common_prefix
 
 

@@ -12,13 +12,12 @@ import httpx
 import pytest
 
 from radixcache.app.demo import build_system_prompt
-from radixcache.integrations.serve.chat_template import ChatRenderer
-from radixcache.integrations.serve.history import history_after_reply, history_tokens
-from radixcache.integrations.serve.history_index import HistoryIndex
-from radixcache.integrations.serve.history_work import PendingHistories
-from radixcache.integrations.serve.job import Conversation
-from radixcache.integrations.serve.render_thread import RenderThread
-from radixcache.integrations.serve.responses import assistant_message
+from radixcache.integrations.serve.requests.chat_template import ChatRenderer
+from radixcache.integrations.serve.history.forms import history_after_reply, history_tokens
+from radixcache.integrations.serve.history.index import HistoryIndex
+from radixcache.integrations.serve.history.work import PendingHistories
+from radixcache.integrations.serve.requests.job import Conversation, assistant_message
+from radixcache.integrations.serve.requests.render_thread import RenderThread
 from serve_helpers import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK, Served, embedded_tokenizer, write_model_dir
 
 BS = 16
@@ -74,9 +73,9 @@ class HeldSteps:
         self.added = threading.Event()
         engine, real_add, real_step = served.engine.engine, served.engine.engine.add, served.engine.engine.step
 
-        def add(request, fetched=None):
-            real_add(request, fetched)
-            if not str(request.request_id).startswith("history"):
+        def add(valid, fetched=None):
+            real_add(valid, fetched)
+            if not str(valid.request.request_id).startswith("history"):
                 self.added.set()
 
         def step():
@@ -272,7 +271,7 @@ def test_finding_the_previous_turn_among_many_sessions_walks_the_prompt_once(mon
     """1,000 sessions behind one 1,500-token system prompt: the lookup compares the prompt against a
     few trie edges, not against every stored form (the old index made one common-prefix scan per
     form); checked by counting the comparisons."""
-    import radixcache.integrations.serve.history_index as module
+    import radixcache.integrations.serve.history.index as module
 
     system = tuple(range(5000, 6500))
     index = HistoryIndex()

@@ -115,12 +115,12 @@ def test_malformed_and_missing_bodies_get_400_not_422(server):
 
 def test_completions_errors(server, client):
     for prompt, words in [([1] * 600, "maximum context length"), ([1] * 400, "pool holds only"),
-                          ([5, 10 ** 6], "outside the vocabulary"), (["a", "b"], "one prompt"), ("", "empty")]:
+                          (["a", "b"], "one prompt"), ("", "empty")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="tiny-smol", prompt=prompt)
         assert words in info.value.body["message"]
-    assert_error(post(server, "/v1/completions", body={"prompt": [5, 10 ** 6]}), 400, "prompt",
-                 words="token id 1000000 is outside the vocabulary")
+    # the prompt's ids meet the vocabulary in the engine's one validation pass: no engine, no check
+    assert post(server, "/v1/completions", body={"prompt": [5, 10 ** 6]}).status_code == 503
     assert_error(post(server, "/v1/completions", body={"prompt": "x", "echo": True}), 400, words="echo")
     assert_error(post(server, "/v1/completions", content=b"nope"), 400, words="not valid JSON")
 

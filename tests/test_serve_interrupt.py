@@ -123,7 +123,7 @@ def test_a_second_ctrl_c_exits_at_once(model_dir):
 
 
 def test_a_client_that_never_finishes_delays_the_exit_by_the_grace_only(model_dir):
-    from radixcache.integrations.serve.shutdown import BOUND_S
+    from radixcache.integrations.serve.server import BOUND_S
 
     server = ServeProcess(model_dir, "--max-cache-tokens", "8192", "--log-level", "warning")
     try:

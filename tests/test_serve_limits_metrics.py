@@ -4,11 +4,11 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixcache.integrations.serve.engine_client import EngineCounts
+from radixcache.integrations.serve.engine.client import EngineCounts
 from radixcache.integrations.serve.errors import APIError
-from radixcache.integrations.serve.limits import (AdmissionGate, cache_salt, check_api_key, check_bearer, max_new_tokens,
-                                                  resolve_model, tenant_of)
-from radixcache.integrations.serve.metrics import ServerMetrics
+from radixcache.integrations.serve.admission import AdmissionGate, max_new_tokens, resolve_model
+from radixcache.integrations.serve.access import cache_salt, authenticate, authenticate_bearer, tenant_of
+from radixcache.integrations.serve.telemetry.metrics import ServerMetrics
 
 
 def status_of(fn, *args):
@@ -18,11 +18,11 @@ def status_of(fn, *args):
 
 
 def test_bearer_keys():
-    assert check_bearer(None, ()) is None  # no keys: open
-    assert check_bearer("Bearer k1", ("k1", "k2")) == "k1"
-    assert check_bearer("bearer   k2 ", ("k1", "k2")) == "k2"
+    assert authenticate_bearer(None, ()) is None  # no keys: open
+    assert authenticate_bearer("Bearer k1", ("k1", "k2")) == "k1"
+    assert authenticate_bearer("bearer   k2 ", ("k1", "k2")) == "k2"
     for header in (None, "", "Bearer", "Bearer ", "Basic k1", "Bearer k3", "k1", "Bearer k1x"):
-        err = status_of(check_bearer, header, ("k1", "k2"))
+        err = status_of(authenticate_bearer, header, ("k1", "k2"))
         assert err.status == 401 and err.code == "invalid_api_key" and "k1" not in err.message
         assert err.headers["WWW-Authenticate"] == "Bearer"
 
@@ -30,12 +30,12 @@ def test_bearer_keys():
 def test_x_api_key_is_the_same_key():
     """Anthropic's clients send ``x-api-key``; it is the bearer's key by another header."""
     keys = ("k1", "k2")
-    assert check_api_key(None, "k2", keys) == "k2"
-    assert check_api_key("Bearer k1", None, keys) == "k1"
-    assert check_api_key("Bearer nope", "k1", keys) == "k1"  # either header may carry it
+    assert authenticate(None, "k2", keys) == "k2"
+    assert authenticate("Bearer k1", None, keys) == "k1"
+    assert authenticate("Bearer nope", "k1", keys) == "k1"  # either header may carry it
     for auth, x in [(None, None), (None, ""), (None, "k3"), ("Basic k1", None), ("Bearer k3", "k4")]:
-        assert status_of(check_api_key, auth, x, keys).status == 401
-    assert check_api_key(None, None, ()) is None
+        assert status_of(authenticate, auth, x, keys).status == 401
+    assert authenticate(None, None, ()) is None
 
 
 def test_tenants_and_cache_salts():
@@ -104,8 +104,7 @@ def samples(metrics):
 
 def test_metrics_names_values_and_own_registry():
     m = ServerMetrics()
-    m.observe_admitted(prompt_tokens=1000, cached_tokens=960)
-    m.observe_admitted(prompt_tokens=200, cached_tokens=0)
+    m.attach(None, ledger=lambda: {"queried_tokens": 1200, "hit_tokens": 960})  # the manager's ledger
     m.observe_first_token(0.05)
     m.observe_inter_token(0.01)
     m.observe_finished("stop", 24, 1.5)
@@ -116,6 +115,7 @@ def test_metrics_names_values_and_own_registry():
     got = samples(m)
     assert got[("radixcache:prefix_cache_queries_total", ())] == 1200
     assert got[("radixcache:prefix_cache_hits_total", ())] == 960
+    assert got[("radixcache:prompt_tokens_total", ())] == 1200
     assert got[("radixcache:time_to_first_token_seconds_count", ())] == 1
     assert got[("radixcache:inter_token_latency_seconds_count", ())] == 1
     assert got[("radixcache:request_success_total", (("finish_reason", "stop"),))] == 1

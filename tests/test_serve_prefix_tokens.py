@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serve_helpers import embedded_tokenizer
 
-from radixcache.integrations.serve.chat_template import ChatRenderer
-from radixcache.integrations.serve.prefix_tokens import PrefixTokenizer, cutting_specials
+from radixcache.integrations.serve.requests.chat_template import ChatRenderer
+from radixcache.integrations.serve.requests.prefix_tokens import PrefixTokenizer, cutting_specials
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 PIECES = list("ab Z9\n\t.{}<|>_é字") + [" the", "<|im_start|>", "<|im_end|>", "\n\n", "<|endoftext|>", "  "]

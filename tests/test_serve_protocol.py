@@ -7,11 +7,12 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from radixcache.integrations.serve import responses as R
+from radixcache.integrations.serve.protocols.openai import bodies as R
+from radixcache.integrations.serve.requests.job import assistant_message
+from radixcache.integrations.serve.requests.tool_calls import tool_call_objects, ParsedToolCall
 from radixcache.integrations.serve.errors import APIError
-from radixcache.integrations.serve.messages import AssistantMessage, ToolMessage
-from radixcache.integrations.serve.protocol import parse_chat_request, parse_completion_request
-from radixcache.integrations.serve.tool_calls import ParsedToolCall
+from radixcache.integrations.serve.protocols.openai.messages import AssistantMessage, ToolMessage
+from radixcache.integrations.serve.protocols.openai.requests import parse_chat_request, parse_completion_request
 
 USER = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -143,9 +144,9 @@ def test_completion_prompt_forms():
 
 # ---------------------------------------------------------------------- responses, as the client reads them
 def test_chat_completion_body_parses_as_the_clients_type():
-    calls = R.tool_call_objects([ParsedToolCall("get_weather", '{"city": "Berlin"}')])
-    choices = [R.chat_choice(0, R.assistant_message("It rains.", None), "stop"),
-               R.chat_choice(1, R.assistant_message(None, calls), "tool_calls")]
+    calls = tool_call_objects([ParsedToolCall("get_weather", '{"city": "Berlin"}')])
+    choices = [R.chat_choice(0, assistant_message("It rains.", None), "stop"),
+               R.chat_choice(1, assistant_message(None, calls), "tool_calls")]
     body = R.chat_completion("chatcmpl-1", 1, "m", choices, R.usage(100, 7, 96))
     parsed = ChatCompletion.model_validate(json.loads(json.dumps(body)))
     assert parsed.usage.prompt_tokens_details.cached_tokens == 96
@@ -159,7 +160,7 @@ def test_chat_completion_body_parses_as_the_clients_type():
 def test_stream_chunks_parse_as_the_clients_type():
     first = R.chat_chunk("c", 1, "m", [R.delta_choice(0, {"role": "assistant", "content": ""})], usage_null=True)
     assert json.loads(R.sse(first)[len("data: "):])["usage"] is None
-    calls = R.tool_call_objects([ParsedToolCall("f", "{}")])
+    calls = tool_call_objects([ParsedToolCall("f", "{}")])
     middle = R.chat_chunk("c", 1, "m", [R.delta_choice(0, {"tool_calls": R.tool_call_deltas(calls)}, "tool_calls")])
     last = R.chat_chunk("c", 1, "m", [], R.usage(10, 2, 8))
     for chunk in (first, middle, last):

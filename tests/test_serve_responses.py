@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from radixcache.integrations.serve.history import history_tokens
-from radixcache.integrations.serve.openai_responses_request import function_tools
-from radixcache.integrations.serve.token_log import read_token_log
+from radixcache.integrations.serve.history.forms import history_tokens
+from radixcache.integrations.serve.protocols.openai.responses_request import function_tools
+from radixcache.integrations.serve.telemetry.token_log import read_token_log
 from serve_helpers import Served, metric, write_model_dir
 
 BS = 16

@@ -6,7 +6,7 @@ the cache."""
 import agents
 import pytest
 
-from radixcache.integrations.serve.openai_responses_request import function_tools
+from radixcache.integrations.serve.protocols.openai.responses_request import function_tools
 from serve_helpers import Served, write_model_dir
 
 BS = 16

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hypothesis import strategies as st
 
-from radixcache.integrations.serve.chat_template import ChatRenderer
-from radixcache.integrations.serve.openai_responses import continued_prompt
-from radixcache.integrations.serve.responses_store import ResponseStore, StoredResponse
+from radixcache.integrations.serve.requests.chat_template import ChatRenderer
+from radixcache.integrations.serve.protocols.openai.responses import continued_prompt
+from radixcache.integrations.serve.protocols.openai.response_store import ResponseStore, StoredResponse
 from serve_helpers import DRIFT_STRIP_THINK, embedded_tokenizer, tokenizer_with_template
 
 TEXT = st.lists(st.sampled_from(list("ab zé\n.!{}\"") + ["Hello", " world", "\n\n", "  "]), min_size=1,

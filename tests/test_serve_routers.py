@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_event_subscriber import Subscriber, tree_blocks
-from radixcache.integrations.serve.engine_client import EngineCounts
-from radixcache.integrations.serve.metrics import VLLM_ALIASES, ServerMetrics
+from radixcache.integrations.serve.engine.client import EngineCounts
+from radixcache.integrations.serve.telemetry.metrics import VLLM_ALIASES, ServerMetrics
 from serve_helpers import Served, write_model_dir
 
 KEY = "sk-router"
@@ -37,16 +37,16 @@ def samples(text):
 
 def test_vllm_names_are_aliases_of_the_same_metrics():
     m = ServerMetrics()
-    state = {"counts": EngineCounts(running=3, waiting=5, used_blocks=30, total_blocks=120, cached_blocks=17)}
-    m.attach(lambda: state["counts"])
-    m.observe_admitted(prompt_tokens=1000, cached_tokens=960)
+    state = {"counts": EngineCounts(running=3, waiting=5, used_blocks=30, total_blocks=120, cached_blocks=17),
+             "ledger": {"queried_tokens": 1000, "hit_tokens": 960}}
+    m.attach(lambda: state["counts"], ledger=lambda: state["ledger"])
     got = samples(m.render()[0].decode())
     for vllm, ours in ALIASES.items():
         assert got[vllm] == got[ours], vllm
     assert got["vllm:prefix_cache_queries_total"] == 1000 and got["vllm:kv_cache_usage_perc"] == 0.25
     assert got["vllm:num_requests_waiting"] == 5 and got["radixcache:cached_blocks"] == 17
     # one source of truth: a later change shows under both names at the next scrape
-    m.observe_admitted(prompt_tokens=24, cached_tokens=16)
+    state["ledger"] = {"queried_tokens": 1024, "hit_tokens": 976}
     state["counts"] = EngineCounts(1, 0, 60, 120, 40)
     got = samples(m.render()[0].decode())
     for vllm, ours in ALIASES.items():

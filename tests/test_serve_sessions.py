@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from radixcache.integrations.serve.history import history_tokens
+from radixcache.integrations.serve.history.forms import history_tokens
 from serve_helpers import DRIFT_GENERATION_THINK, DRIFT_STRIP_THINK, Served, metric, write_model_dir
 
 BS = 16

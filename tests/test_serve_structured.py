@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from radixcache.integrations.serve.tool_calls import format_tool_call, parse_tool_calls
+from radixcache.integrations.serve.requests.tool_calls import format_tool_call, parse_tool_calls
 from serve_helpers import Served, write_model_dir
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -227,8 +227,8 @@ def test_grammars_are_cached_by_kind_schema_and_options():
     import asyncio
 
     from grammar_cases import grammars
-    from radixcache.integrations.serve.constraints import json_constraint, tool_call_constraint
-    from radixcache.integrations.serve.grammar import ConstraintError
+    from radixcache.integrations.serve.requests.structured import json_constraint, tool_call_constraint
+    from radixcache.integrations.serve.requests.structured import ConstraintError
 
     g = grammars()
     reordered = dict(reversed(list(SCHEMA.items())))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from radixcache.integrations.serve.history import history_tokens
+from radixcache.integrations.serve.history.forms import history_tokens
 from serve_helpers import TOOLS_TEMPLATE, Served, write_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]

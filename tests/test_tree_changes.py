@@ -4,7 +4,7 @@ blocks, which the scheduler uses to know which cached peeks may have grown."""
 from array import array
 
 from radixcache import BlockAllocator, RadixCache
-from radixcache.tree.changes import ChangeLog
+from radixcache.tree.body import ChangeLog
 
 BS = 4
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from radixcache.engine import BatchOutput, BatchRun, Request, SamplingParams, StreamToken
-from radixcache.integrations.hf.inputs import eos_ids
+from radixcache.integrations.hf.generate import eos_ids
 
 TRANSFORMERS_DEFAULTS = dict(max_new_tokens=20, do_sample=False, temperature=1.0, top_k=50,
                              top_p=1.0, min_p=0.0, repetition_penalty=1.0)
@@ -111,16 +111,17 @@ def build_requests(lm, prompts, settings: dict, total, stops, n, seed, cache_sal
     return requests
 
 
-def run_requests(engine, requests: list[Request], stream: bool, progress: bool):
-    """Run ``requests`` on ``engine``: a ``BatchOutput``, or the ``BatchRun`` to iterate."""
+def run_requests(engine, requests: list, fetched: list, stream: bool, progress: bool):
+    """Run ``requests`` (``ValidRequest``s of ``engine``) with what the store gave each
+    (``fetched``) on ``engine``: a ``BatchOutput``, or the ``BatchRun`` to iterate."""
     bar = None
     if progress:
         try:
             from tqdm.auto import tqdm
         except ImportError as e:
             raise ImportError("progress=True needs tqdm: pip install tqdm") from e
-        bar = tqdm(total=sum(r.params.n for r in requests), unit="sample", desc="generate_batch")
-    run = BatchRun(engine, requests, bar)
+        bar = tqdm(total=sum(r.request.params.n for r in requests), unit="sample", desc="generate_batch")
+    run = BatchRun(engine, requests, bar, fetched)
     return run if stream else run.result()
 
 

@@ -23,7 +23,9 @@ attention and masks compute the layer.
   plans the step. Left padding and already-cached columns are in no segment: the real query rows
   are gathered for attention and scattered back.
 
-The per-layer views and the marked mask offset they hand transformers are in ``layers.py``.
+What transformers sees of these besides the cache itself: the per-layer views its ``Cache`` API
+expects (``CacheLayer``) and the marked KV offset reported to its mask builders (``PagedOffset``);
+all K/V state lives in the owning cache.
 """
 
 from __future__ import annotations
@@ -31,14 +33,66 @@ from __future__ import annotations
 import threading
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from radixcache.attention.plan import Segment, StepPlan, device_tensor
 from radixcache.errors import CacheError, OutOfBlocks
-from radixcache.integrations.hf.layers import PAGED_OFFSET, CacheLayer, PagedOffset
 
-__all__ = ["GenerateRow", "PAGED_OFFSET", "PREFIX", "PagedCache", "PagedOffset", "PlannedCache",
-           "StepCache", "forget_pending", "hooked", "take_planned"]
+
+class PagedOffset(int):
+    """The KV offset (always 0) a ``PlannedCache`` reports to transformers' mask builders; the
+    registered mask function sees it and builds no mask, since radixcache's backends read none."""
+
+
+PAGED_OFFSET = PagedOffset(0)
+
+
+class CacheLayer(CacheLayerMixin):
+    """Per-layer view transformers expects of ``owner`` (a ``PlannedCache``); all state lives in
+    the owning cache, and every operation a radixcache cache does not support (beam reordering,
+    cropping, batch expansion, row selection, reset) raises ``CacheError`` (their modes fall back
+    to plain generate)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, owner: Cache):
+        super().__init__()
+        self.owner = owner
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the pool exists already
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise CacheError("a radixcache cache is updated through the cache, not its layers")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.get_seq_length() + query_length, PAGED_OFFSET
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1  # grows lazily, bounded only by the pool
+
+    def reset(self) -> None:
+        raise CacheError("a radixcache cache cannot be reset")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise CacheError("a radixcache cache does not support beam reordering")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise CacheError("a radixcache cache does not support cropping")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise CacheError("a radixcache cache does not support expanding the batch")
+
+    def batch_select_indices(self, indices) -> None:
+        raise CacheError("a radixcache cache does not support selecting batch rows")
+
 
 PREFIX = "radixcache_paged_"  # the attention implementation ``attention.install`` switches to
 _PENDING = threading.local()  # (cache, plan, layer, batch, new columns) of this thread's last update
@@ -175,7 +229,7 @@ class GenerateRow:
         self.pad = pad
         self.lease = lease
         self.prompt_len = len(tokens)
-        self.keep = None  # index after the first EOS among the generated tokens, once seen
+        self.eos_end = None  # index after the first EOS among the generated tokens, once seen
 
 
 class PagedCache(PlannedCache):
@@ -203,7 +257,7 @@ class PagedCache(PlannedCache):
         self.keep_s = keep_s
         self.released = False
 
-    def _check(self) -> None:
+    def _require_live(self) -> None:
         if self.released:
             raise CacheError("this PagedCache was released when lm.generate returned: its blocks "
                              "belong to the radix tree now. Pass it back to the same lm.generate "
@@ -211,19 +265,19 @@ class PagedCache(PlannedCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns transformers treats as filled (every row's pads and cached tokens included)."""
-        self._check()
+        self._require_live()
         return self.length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """Sizes transformers' mask builders ask for; the marked offset makes them build none
         (dense: a plain offset, the model's own masks cover every column)."""
-        self._check()
+        self._require_live()
         return self.length + query_length, 0 if self.dense else PAGED_OFFSET
 
     def begin_forward(self, batch: int, n: int) -> None:
         """Commit what the previous forward computed, grow every row to ``length + n`` tokens
         (``OutOfBlocks`` when even eviction cannot), and plan the forward's segments."""
-        self._check()
+        self._require_live()
         if batch != len(self.rows):
             raise CacheError(f"generate runs {batch} rows, the cache holds {len(self.rows)}")
         previous = self.length
@@ -266,21 +320,21 @@ class PagedCache(PlannedCache):
         fed = sequences[:, previous:previous + n].tolist()
         for row, new in zip(self.rows, fed):
             for token in new:
-                if row.keep is None and token in self.eos:
-                    row.keep = len(row.tokens) + 1
+                if row.eos_end is None and token in self.eos:
+                    row.eos_end = len(row.tokens) + 1
                 row.tokens.append(token)
 
     def _commit(self) -> None:
         for row in self.rows:
-            keep = self.committable(row)
-            if keep > row.lease.computed:
-                self.manager.commit(row.lease, row.tokens, keep)
+            done = self.committable(row)
+            if done > row.lease.computed:
+                self.manager.commit(row.lease, row.tokens, done)
 
     def committable(self, row: GenerateRow) -> int:
         """Leading tokens of ``row`` whose K/V are computed and belong in the tree (nothing after
         its first EOS: transformers keeps feeding finished rows padding)."""
         done = self.completed - row.pad
-        return done if row.keep is None else min(done, row.keep)
+        return done if row.eos_end is None else min(done, row.eos_end)
 
     def finish(self, sequences: torch.Tensor | None) -> None:
         """The call ended (``sequences``: transformers' output, None after an error): commit what

@@ -16,16 +16,15 @@ import os
 
 from radixcache.attention import resolve_backend
 from radixcache.engine import Engine
+from radixcache.engine.request import request_namespace
 from radixcache.integrations.hf import batch as batch_path
 from radixcache.integrations.hf.attention import UnsupportedAttention, install
-from radixcache.integrations.hf.fallback import passed_cache_reason, plain_generate
-from radixcache.integrations.hf.generate import generate_paged, unsupported_call
+from radixcache.integrations.hf.generate import (generate_paged, passed_cache_reason, passed_caches,
+                                                 plain_generate, prompt_tensors, split_mapping, unsupported_call,
+                                                 validated_generation_config)
 from radixcache.integrations.hf.identity import cached_kv_geometry, model_identity
-from radixcache.integrations.hf.inputs import (check_wrap_arguments, checked_generation_config,
-                                               checked_keep, passed_caches, prompt_tensors,
-                                               split_mapping)
-from radixcache.integrations.hf.pool_setup import Fp8ClampWarning, pool_blocks, pool_maker, pool_stats
-from radixcache.integrations.hf.resources import open_store, unsupported_reason
+from radixcache.integrations.hf.resources import (Fp8ClampWarning, open_store, pool_blocks, pool_maker,
+                                                  pool_stats, unsupported_reason)
 from radixcache.integrations.hf.runner import HFModelRunner
 from radixcache.integrations.hf.selftest import run_self_tests
 from radixcache.kv.pool import resolve_kv_dtype
@@ -34,6 +33,23 @@ from radixcache.lifecycle.manager import CacheManager
 
 logger = logging.getLogger("radixcache")
 
+
+
+def validate_wrap_arguments(model, block_size, max_cache_tokens, attention, model_id) -> None:
+    """``TypeError``/``ValueError`` naming the first bad argument of ``wrap()``, before any work."""
+    if not hasattr(model, "generate") or not hasattr(model, "config"):
+        raise TypeError("wrap() takes a transformers PreTrainedModel with a generate() method")
+    if attention not in ("auto", "torch", "flashinfer"):
+        raise ValueError(f"attention must be 'auto', 'torch' or 'flashinfer', got {attention!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id):
+        raise TypeError(f"model_id must be a non-empty str or None, got {model_id!r}")
+    if max_cache_tokens is not None and (not isinstance(max_cache_tokens, int)
+                                         or isinstance(max_cache_tokens, bool)
+                                         or max_cache_tokens < block_size):
+        raise ValueError(f"max_cache_tokens must be an int >= block_size ({block_size}), "
+                         f"got {max_cache_tokens!r}")
 
 
 def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dtype=None,
@@ -62,6 +78,17 @@ def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dt
                     kv_events=kv_events)
 
 
+def validated_keep(keep_s) -> float | None:
+    """``keep_s`` as float seconds (>= 0, finite) or None; ``TypeError``/``ValueError`` otherwise."""
+    if keep_s is None:
+        return None
+    if isinstance(keep_s, bool) or not isinstance(keep_s, (int, float)):
+        raise TypeError(f"keep_s must be a number of seconds or None, got {keep_s!r}")
+    if not 0 <= keep_s < float("inf"):
+        raise ValueError(f"keep_s must be finite and >= 0, got {keep_s!r}")
+    return float(keep_s)
+
+
 class CachedLM:
     """A causal LM whose ``generate`` and ``generate_batch`` match, reuse and extend a radix tree of
     paged KV blocks. Thread-safe: cache bookkeeping runs under the manager's lock, forwards outside
@@ -70,7 +97,7 @@ class CachedLM:
     def __init__(self, model, *, block_size: int = 16, max_cache_tokens: int | None = None,
                  kv_dtype=None, attention: str = "auto", model_id: str | None = None, store=None,
                  kv_events=None):
-        check_wrap_arguments(model, block_size, max_cache_tokens, attention, model_id)
+        validate_wrap_arguments(model, block_size, max_cache_tokens, attention, model_id)
         self.model = model
         self.block_size = block_size
         self.device = next(model.parameters()).device
@@ -117,8 +144,9 @@ class CachedLM:
 
     # ------------------------------------------------------------------ identity
     def namespace(self, cache_salt: str | None = None) -> tuple:
-        """The tree namespace of requests with ``cache_salt``: ``(model_id, cache_salt)``."""
-        return (self.model_id, cache_salt)
+        """The tree namespace of requests with ``cache_salt`` (``request_namespace``: the model's
+        identity and the salt)."""
+        return request_namespace(self.model_id, cache_salt)
 
     def invalidate(self, model_id: str | None = None) -> None:
         """Call after the model's weights changed (fine-tuning step, adapter swap, reload): no
@@ -160,12 +188,12 @@ class CachedLM:
         """
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
-        keep_s = checked_keep(keep_s)
+        keep_s = validated_keep(keep_s)
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)
         input_ids, attention_mask = split_mapping(input_ids, attention_mask)
         passed = passed_caches(kwargs)
-        config = checked_generation_config(self.model, kwargs)
+        config = validated_generation_config(self.model, kwargs)
         if input_ids is None:
             return self._fallback("no input_ids (inputs_embeds only)",
                                   dict(kwargs, attention_mask=attention_mask), passed)
@@ -180,7 +208,7 @@ class CachedLM:
         except UnsupportedAttention as e:  # e.g. dropout in training mode: this call only
             return self._fallback(f"the paged KV path cannot serve this call: {e}",
                                   dict(kwargs, input_ids=ids, attention_mask=mask), passed)
-        self._fp8_clamps.check(self.pool)
+        self._fp8_clamps.warn_new(self.pool)
         return out
 
     def _fallback(self, reason: str, kwargs: dict, passed: list):
@@ -225,18 +253,17 @@ class CachedLM:
             self.manager.record_fallback(self.engine_unsupported)
             return batch_path.plain_batch(self, requests, stream)
         engine = engine or self.new_engine()
-        for request in requests:
-            engine.check(request)
-        for request in requests:  # a shared store's blocks after the local match (the network)
-            self.manager.prefetch(request.prompt, self.namespace(request.cache_salt))
+        valid = [engine.validate(request) for request in requests]
+        # a shared store's blocks after the local match (the network), loaded by the engine's step
+        fetched = [self.manager.fetch(r.prompt, engine.namespace(r.cache_salt)) for r in requests]
         if stream:
-            return batch_path.run_requests(engine, requests, True, progress)
+            return batch_path.run_requests(engine, valid, fetched, True, progress)
         try:
-            out = batch_path.run_requests(engine, requests, False, progress)
+            out = batch_path.run_requests(engine, valid, fetched, False, progress)
         except UnsupportedAttention as e:  # e.g. dropout in training mode: this call only
             self.manager.record_fallback(f"the paged KV path cannot serve this call: {e}")
             return batch_path.plain_batch(self, requests, False)
-        self._fp8_clamps.check(self.pool)
+        self._fp8_clamps.warn_new(self.pool)
         return out
 
     def new_engine(self, **options) -> Engine:

@@ -19,8 +19,7 @@ import torch
 
 from radixcache.attention.plan import Segment, StepPlan
 from radixcache.integrations.hf.attention import UnsupportedAttention
-from radixcache.integrations.hf.generate import generate_paged
-from radixcache.integrations.hf.inputs import checked_generation_config
+from radixcache.integrations.hf.generate import generate_paged, validated_generation_config
 from radixcache.lifecycle.manager import CacheManager
 
 NAMESPACE = ("radixcache self-test",)
@@ -68,12 +67,12 @@ def run_self_tests(lm, make_pool) -> tuple[str | None, str | None]:
     except Exception as e:  # noqa: BLE001 - the model itself fails: nothing to compare against
         return (f"the model's own forward failed ({type(e).__name__}: {e})",) * 2
     probe = Probe(lm, make_pool(PROBE_BLOCKS))
-    generate = _check(lambda: _generate_path(probe, ids, want, want_next), "generate")
-    engine = _check(lambda: _engine_path(probe, ids[0].tolist(), want, want_next), "engine")
+    generate = _outcome(lambda: _generate_path(probe, ids, want, want_next), "generate")
+    engine = _outcome(lambda: _engine_path(probe, ids[0].tolist(), want, want_next), "engine")
     return generate, engine
 
 
-def _check(test, path: str) -> str | None:
+def _outcome(test, path: str) -> str | None:
     try:
         problem = test()
     except UnsupportedAttention as e:
@@ -88,7 +87,7 @@ def _generate_path(lm, ids, want, want_next) -> str | None:
     for prompt, new in ((ids[:, :bs + 2], 1), (ids, 2)):
         kwargs = dict(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
                       return_dict_in_generate=True, output_logits=True)
-        config = checked_generation_config(lm.model, kwargs)
+        config = validated_generation_config(lm.model, kwargs)
         out = generate_paged(lm, prompt, torch.ones_like(prompt), config, kwargs, NAMESPACE)
     return _disagreement(want, out.logits[0][0].float(), lm.pool) or \
         _disagreement(want_next, out.logits[1][0].float(), lm.pool)

@@ -152,7 +152,7 @@ class RedisStore:
         ``read_chunk_bytes`` of blocks, the next one in flight while a chunk is verified; a timeout,
         a dead server or a bad value ends the fetch there.
         """
-        _check_range(start, limit)
+        _validate_range(start, limit)
         bs = self.block_size
         end = min(start + limit, len(tokens) // bs)
         if end <= start or self._closed:
@@ -216,7 +216,7 @@ class RedisStore:
         See ``radixcache.store.BlockStore.offer``. A block that does not fit drops it and every
         later one of this call (a chain read stops at its first gap, so they could never be read).
         """
-        _check_range(start, len(blocks))
+        _validate_range(start, len(blocks))
         bs = self.block_size
         end = start + len(blocks)
         if end * bs > len(tokens):
@@ -358,7 +358,7 @@ def _prefix(tokens: Sequence[int], n: int):
     return tokens[:n] if isinstance(tokens, array) else tuple(tokens[:n])
 
 
-def _check_range(start: int, count: int) -> None:
+def _validate_range(start: int, count: int) -> None:
     for name, value in [("start", start), ("count", count)]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")

@@ -1,18 +1,26 @@
-"""``radixcache serve``: an OpenAI-compatible server over the always-on engine.
+"""``radixcache serve``: an OpenAI- and Anthropic-compatible server over the always-on engine.
 
-Modules, top down: ``server`` (the command: options, model facts, uvicorn; ``shutdown``: Ctrl-C) ->
-``app`` (FastAPI routes, auth, errors) -> a protocol adapter (``openai_completions``: its request
-model from ``protocol`` -> a ``job.Conversation`` or a prompt -> ``job.new_job``, the one place the
-engine's ``Request`` is built; deltas -> ``responses`` bodies and SSE chunks) -> ``respond`` (runs a
-job for any protocol: slot, stream or body, disconnects) -> ``generation`` (engine ``Event``s ->
-per-choice deltas: text, stop strings, tool calls) -> ``engine_client`` (the one interface to the
-engine, in its own types; ``local_engine`` and ``routing`` implement it). Beside them, each a single
-concern: ``chat_template`` (messages to prompt tokens, tools), ``render_thread`` (templates and
-tokenizing off the event loop, prompts first), ``tool_calls``, ``detokenize`` (text as tokens
-arrive, stop strings), ``history`` (token-exact history: the next turn's prefix and why it departs
-from the cache), ``history_work`` (that work after a reply, in the background), ``history_index``
-(past history forms by their tokens), ``metrics`` (Prometheus), ``limits`` (keys, tenant salts,
-admission, prompt limits), ``options``, ``state``, ``errors``.
+Top down (imports point down only):
+
+- ``server`` (the command: options, model facts, the engine, uvicorn, Ctrl-C) -> ``app`` (FastAPI
+  routes, authentication, body bounds, error shapes, the OpenAPI document) and ``state`` (what one
+  server holds);
+- ``protocols``: one adapter per protocol, ``openai`` (chat completions, completions, Responses)
+  and ``anthropic`` (Messages), each turning its request model into a ``requests.job.Job`` and the
+  job's deltas into its JSON body and SSE events; ``protocols.schema`` is what their request
+  models share;
+- ``requests``: one request's way through the server, for any protocol: ``job`` (the one place the
+  engine's ``Request`` is built), ``respond`` (slot, stream or body, disconnects), ``generation``
+  (engine events -> per-choice deltas), ``detokenize``, ``tool_calls``, ``structured`` (output
+  constraints and their grammars), ``chat_template`` and ``prefix_tokens`` (messages -> prompt
+  tokens), ``render_thread`` (templates off the event loop, prompts first);
+- ``history``: token-exact history (the next turn's prefix, why a hit stops short), the work after
+  a reply that computes it, and the index of past history forms;
+- ``engine``: the one interface to the engine (``client``) and its implementation over a wrapped
+  model in this process (``local``: the scheduler thread, the only owner of the engine);
+- ``telemetry``: Prometheus metrics, ``/v1/loads`` for routers, the token log;
+- ``access`` (API keys, tenants, cache salts), ``admission`` (model, output budget, input bounds,
+  the in-flight gate), ``options``, ``errors``.
 
 Importing this package imports nothing heavy; FastAPI, uvicorn and transformers load with the
 modules that need them.

@@ -8,7 +8,7 @@
   ``--metrics-require-key``);
 - ``GET /openapi.json``: the OpenAPI document, every request body described by its model (open);
 - ``GET /v1/models`` (with each model's ``root`` and ``max_model_len``), ``GET /v1/loads`` (the
-  load SGLang's model gateway polls, ``loads.py``), ``POST /v1/chat/completions``,
+  load SGLang's model gateway polls, ``telemetry/loads.py``), ``POST /v1/chat/completions``,
   ``POST /v1/completions``, ``POST /v1/responses`` with ``GET`` / ``DELETE /v1/responses/{id}``
   (stored responses), and Anthropic's ``POST /v1/messages`` (any query string) and
   ``POST /v1/messages/count_tokens``: behind the API key when the server has keys (a bearer or
@@ -19,13 +19,20 @@
 server for vLLM or SGLang.
 
 Every error is OpenAI's ``{"error": {...}}`` (on the Messages paths Anthropic's ``{"type": "error",
-"error": {...}}``, ``anthropic_messages.error_body``) with the right status: 400 for malformed JSON and
+"error": {...}}``, ``protocols.anthropic.messages.error_body``) with the right status: 400 for malformed JSON and
 invalid fields (never FastAPI's 422), for prompts longer than the context or the pool; 413 for a
 body over ``--max-request-bytes`` (refused before it is read whole, never parsed) or more messages,
 tools or stop strings than the server takes; 401 without the key; 404 for an unknown model or route; 429 when every slot is taken; 503 without an engine.
 A rejected request changes nothing: it is refused before it reaches the engine. Each protocol is an
-adapter module (``openai_completions.py``): a route parses the body, the adapter builds the ``Job``
+adapter module (``protocols/openai/completions.py``): a route parses the body, the adapter builds the ``Job``
 and ``respond.respond`` runs it, with the adapter's JSON body and SSE chunks.
+
+``GET /openapi.json`` documents every request body by the pydantic model its route validates
+against: routes read their body as raw JSON and validate it themselves (so that a bad body is a 400
+in the protocol's own error shape, never FastAPI's 422), so FastAPI cannot see their models;
+``BodySchemas.body(Model)`` gives a route the ``openapi_extra`` that documents ``Model`` as its JSON
+body, and ``install(app)`` makes the app's document carry every model (and the models they refer
+to) under ``components.schemas``. The document is generated once, on first request.
 """
 
 from __future__ import annotations
@@ -37,24 +44,66 @@ from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixcache import __version__
-from radixcache.integrations.serve import anthropic_messages, openai_completions, openai_responses
-from radixcache.integrations.serve import responses as R
+from radixcache.integrations.serve.protocols.anthropic import messages as anthropic_messages
+from radixcache.integrations.serve.protocols.openai import (bodies as R, completions as openai_completions,
+                                                            responses as openai_responses)
+from radixcache.integrations.serve.protocols.anthropic.requests import (CountTokensRequest, MessagesRequest,
+                                                              parse_count_tokens_request,
+                                                              parse_messages_request)
 from radixcache.integrations.serve.errors import (APIError, bad_request, internal, method_not_allowed,
                                                   route_not_found, too_large, unavailable)
-from radixcache.integrations.serve.limits import tenant_of
-from radixcache.integrations.serve.limits import check_api_key, check_counts
-from radixcache.integrations.serve.anthropic_protocol import (CountTokensRequest, MessagesRequest,
-                                                              parse_count_tokens_request, parse_messages_request)
-from radixcache.integrations.serve.loads import worker_loads
-from radixcache.integrations.serve.openai_responses_request import ResponsesRequest, parse_responses_request
-from radixcache.integrations.serve.openapi import BodySchemas
-from radixcache.integrations.serve.protocol import (ChatCompletionRequest, CompletionRequest, parse_chat_request,
-                                                    parse_completion_request)
-from radixcache.integrations.serve.respond import respond
+from radixcache.integrations.serve.admission import validate_counts
+from radixcache.integrations.serve.access import tenant_of, authenticate
+from radixcache.integrations.serve.telemetry.loads import worker_loads
+from radixcache.integrations.serve.protocols.openai.responses_request import ResponsesRequest, parse_responses_request
+from radixcache.integrations.serve.protocols.openai.requests import (ChatCompletionRequest, CompletionRequest,
+                                                    parse_chat_request, parse_completion_request)
+from radixcache.integrations.serve.requests.respond import respond
+
+
+_REF = "#/components/schemas/{model}"
+
+
+class BodySchemas:
+    """The request-body models of one app's routes (see the module docstring). Models of different
+    protocols may share a class name (chat's and Anthropic's ``Tool``): the schemas are generated
+    together, and pydantic gives colliding names their module's prefix."""
+
+    def __init__(self):
+        self.models: list = []  # (model, the route's schema dict, filled in by install)
+
+    def body(self, model, description: str | None = None) -> dict:
+        """``openapi_extra`` for a route whose JSON body is validated by ``model`` (a pydantic model)."""
+        schema: dict = {}
+        self.models.append((model, schema))
+        body = {"required": True, "content": {"application/json": {"schema": schema}}}
+        if description:
+            body["description"] = description
+        return {"requestBody": body}
+
+    def install(self, app) -> None:
+        """Serve ``app``'s document with these schemas in it."""
+        refs, document_defs = models_json_schema([(m, "validation") for m, _ in self.models], ref_template=_REF)
+        for model, schema in self.models:
+            schema.update(refs[(model, "validation")])
+        schemas = document_defs.get("$defs", {})
+
+        def document() -> dict:
+            if app.openapi_schema is None:
+                doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                  description=app.description or None)
+                doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+                app.openapi_schema = doc
+            return app.openapi_schema
+
+        app.openapi = document
+
 
 logger = logging.getLogger("radixcache.serve")
 
@@ -70,7 +119,7 @@ def _error_response(state, exc: APIError, path: str = "") -> JSONResponse:
 async def _json_body(request: Request, state):
     """The decoded JSON body, read only up to the server's bound (413 past it, before anything is
     parsed: a declared ``Content-Length`` over it is refused unread, a chunked body as soon as it
-    passes it), with its counts checked (``limits.check_counts``)."""
+    passes it), with its counts checked (``limits.validate_counts``)."""
     limit = state.max_request_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -86,7 +135,7 @@ async def _json_body(request: Request, state):
         body = json.loads(b"".join(chunks))
     except (UnicodeDecodeError, ValueError) as exc:
         raise bad_request(f"the request body is not valid JSON ({exc})") from None
-    check_counts(body, state.options)
+    validate_counts(body, state.options)
     return body
 
 
@@ -126,7 +175,7 @@ def create_app(state) -> FastAPI:
 
     def authorize(request: Request) -> str | None:
         headers = request.headers
-        return check_api_key(headers.get("authorization"), headers.get("x-api-key"), state.options.api_keys)
+        return authenticate(headers.get("authorization"), headers.get("x-api-key"), state.options.api_keys)
 
     @app.get("/health")
     async def health():

@@ -2,7 +2,7 @@
 
 ``load_model_info(model_dir)`` reads the tokenizer, config and generation config of a local model
 directory (never the weights, never a hub) into a ``ModelInfo``. ``ServerState`` bundles it with
-the grammar compiler of structured output (``grammar.py``), the ``EngineClient`` (None: no engine attached, generation answers 503), the metrics, the
+the grammar compiler of structured output (``requests/structured.py``), the ``EngineClient`` (None: no engine attached, generation answers 503), the metrics, the
 admission gate, the history index, one worker thread for template rendering and tokenizing (so the
 event loop never waits on it; prompts go ahead of history work), and the background tasks it
 starts (history forms and their precomputes). ``shutdown()`` (Ctrl-C, or the app's lifespan)
@@ -17,17 +17,18 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from radixcache.integrations.serve.chat_template import ChatRenderer
-from radixcache.integrations.serve.engine_client import EngineLimits, EngineOverloaded
-from radixcache.integrations.serve.grammar import Grammars
-from radixcache.integrations.serve.history_index import HistoryIndex
-from radixcache.integrations.serve.history_work import PendingHistories
-from radixcache.integrations.serve.job import history_request
-from radixcache.integrations.serve.limits import AdmissionGate
-from radixcache.integrations.serve.token_log import TokenLog
-from radixcache.integrations.serve.metrics import ServerMetrics
-from radixcache.integrations.serve.render_thread import RenderThread
-from radixcache.integrations.serve.responses_store import ResponseStore
+from radixcache.integrations.serve.requests.chat_template import ChatRenderer
+from radixcache.models import context_length
+from radixcache.integrations.serve.engine.client import EngineLimits, EngineOverloaded
+from radixcache.integrations.serve.requests.structured import Grammars
+from radixcache.integrations.serve.history.index import HistoryIndex
+from radixcache.integrations.serve.history.work import PendingHistories
+from radixcache.integrations.serve.requests.job import history_request
+from radixcache.integrations.serve.admission import AdmissionGate
+from radixcache.integrations.serve.telemetry.token_log import TokenLog
+from radixcache.integrations.serve.telemetry.metrics import ServerMetrics
+from radixcache.integrations.serve.requests.render_thread import RenderThread
+from radixcache.integrations.serve.protocols.openai.response_store import ResponseStore
 
 logger = logging.getLogger("radixcache.serve")
 
@@ -45,15 +46,6 @@ def _ids(value) -> set:
     if value is None:
         return set()
     return {int(v) for v in value} if isinstance(value, (list, tuple, set)) else {int(value)}
-
-
-def context_length(config) -> int:
-    """The context length a model config names (``max_position_embeddings`` / ``n_positions``)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    length = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    if not length:
-        raise ValueError("the model config names no context length (max_position_embeddings)")
-    return int(length)
 
 
 def load_model_info(model_dir) -> tuple:
@@ -102,7 +94,8 @@ class ServerState:
         """Serve generation with ``engine`` (an ``EngineClient``; None: generation answers 503)."""
         self.engine = engine
         self.metrics.attach(engine.counts if engine is not None else None,
-                            getattr(engine, "store_stats", None), getattr(engine, "events_stats", None))
+                            getattr(engine, "store_stats", None), getattr(engine, "events_stats", None),
+                            getattr(engine, "ledger_stats", None))
 
     @property
     def limits(self) -> EngineLimits:

@@ -9,6 +9,9 @@ before attention, and the pool holds those. MLA-native servers cache the latent 
 gives that figure through the same formula, for comparison.
 
 Pure Python: importing this module does not import torch or transformers.
+
+The checks of every argument (``validated_int``: an int with a minimum; a shape's sliding window,
+MLA dims and head counts) raise ``TypeError`` / ``ValueError`` naming the field and the shape.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixcache.app.kv_size_checks import check_heads, check_int, check_mla, check_window
 from radixcache.kv.geometry import kv_bytes_per_token
 
 ATTENTION_KINDS = ("MHA", "GQA", "MQA", "MLA")
@@ -28,6 +30,68 @@ ATTENTION_KINDS = ("MHA", "GQA", "MQA", "MLA")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
+# ------------------------------------------------------------ argument checks
+def validated_int(value, what: str, minimum: int) -> int:
+    """``value`` when it is an int >= ``minimum``; TypeError/ValueError naming ``what`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def _validate_window(shape) -> None:
+    """``shape.sliding_layers`` is an int >= 0; without a ``sliding_window`` it is 0, with one
+    (an int >= 1) it is 1..``shape.layers``."""
+    validated_int(shape.sliding_layers, "sliding_layers", 0)
+    if shape.sliding_window is None:
+        if shape.sliding_layers:
+            raise ValueError(f"{shape.name}: sliding_layers without a sliding_window")
+        return
+    validated_int(shape.sliding_window, "sliding_window", 1)
+    if not 1 <= shape.sliding_layers <= shape.layers:
+        raise ValueError(f"{shape.name}: a sliding window needs 1..{shape.layers} sliding_layers, "
+                         f"got {shape.sliding_layers}")
+
+
+def _validate_mla(shape) -> None:
+    """An MLA shape has a latent (``latent_dim`` >= 1), keys wider than their rope part
+    (``head_dim`` > ``rope_dim``) and no more KV heads than query heads (when those are given)."""
+    if shape.latent_dim < 1:
+        raise ValueError(f"{shape.name}: MLA needs latent_dim >= 1")
+    if shape.head_dim <= shape.rope_dim:
+        raise ValueError(f"{shape.name}: MLA keys are qk_nope + qk_rope ({shape.rope_dim}) wide, "
+                         f"got head_dim {shape.head_dim}")
+    if shape.query_heads is not None and shape.kv_heads > shape.query_heads:
+        raise ValueError(f"{shape.name}: kv_heads ({shape.kv_heads}) exceeds "
+                         f"query_heads ({shape.query_heads})")
+
+
+def _validate_heads(shape) -> None:
+    """A non-MLA shape has no latent or rope dims, one head dim for K and V, one KV head for
+    MQA, and, when ``query_heads`` is given, head counts its ``attention`` kind means (MHA: as many
+    KV heads as query heads; GQA: more than one and fewer than the query heads)."""
+    if shape.latent_dim or shape.rope_dim:
+        raise ValueError(f"{shape.name}: latent_dim/rope_dim apply only to MLA, not {shape.attention}")
+    if shape.head_dim_v != shape.head_dim:
+        raise ValueError(f"{shape.name}: K and V of different head dims ({shape.head_dim}, "
+                         f"{shape.head_dim_v}) apply only to MLA, not {shape.attention}")
+    if shape.attention == "MQA" and shape.kv_heads != 1:
+        raise ValueError(f"{shape.name}: MQA means one KV head, got kv_heads={shape.kv_heads}")
+    if shape.query_heads is None:
+        return
+    if shape.kv_heads > shape.query_heads:
+        raise ValueError(f"{shape.name}: kv_heads ({shape.kv_heads}) exceeds "
+                         f"query_heads ({shape.query_heads})")
+    if shape.attention == "MHA" and shape.kv_heads != shape.query_heads:
+        raise ValueError(f"{shape.name}: MHA means kv_heads == query_heads, "
+                         f"got {shape.kv_heads} != {shape.query_heads}")
+    if shape.attention == "GQA" and not 1 < shape.kv_heads < shape.query_heads:
+        raise ValueError(f"{shape.name}: GQA means 1 < kv_heads < query_heads, "
+                         f"got {shape.kv_heads} of {shape.query_heads}")
+
+
+# ------------------------------------------------------------ shapes
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a KV-cache dtype name: fp32 4, bf16 2, fp16 2, fp8 1 (case-insensitive).
 
@@ -44,8 +108,8 @@ def dtype_bytes(dtype: str) -> int:
 def classify_attention(query_heads: int, kv_heads: int) -> str:
     """The attention kind implied by head counts: "MQA" if one KV head, "MHA" if as many KV heads
     as query heads, else "GQA". Raises ValueError if kv_heads exceeds query_heads."""
-    check_int(query_heads, "query_heads", 1)
-    check_int(kv_heads, "kv_heads", 1)
+    validated_int(query_heads, "query_heads", 1)
+    validated_int(kv_heads, "kv_heads", 1)
     if kv_heads > query_heads:
         raise ValueError(f"kv_heads ({kv_heads}) cannot exceed query heads ({query_heads})")
     if kv_heads == 1:
@@ -85,31 +149,31 @@ class KVShape:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise TypeError("name must be a non-empty string")
-        check_int(self.layers, "layers", 1)
-        check_int(self.kv_heads, "kv_heads", 1)
-        check_int(self.head_dim, "head_dim", 1)
+        validated_int(self.layers, "layers", 1)
+        validated_int(self.kv_heads, "kv_heads", 1)
+        validated_int(self.head_dim, "head_dim", 1)
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {self.attention!r}")
-        check_int(self.latent_dim, "latent_dim", 0)
-        check_int(self.rope_dim, "rope_dim", 0)
+        validated_int(self.latent_dim, "latent_dim", 0)
+        validated_int(self.rope_dim, "rope_dim", 0)
         if self.query_heads is not None:
-            check_int(self.query_heads, "query_heads", 1)
+            validated_int(self.query_heads, "query_heads", 1)
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
-        check_int(self.head_dim_v, "head_dim_v", 1)
-        check_window(self)
+        validated_int(self.head_dim_v, "head_dim_v", 1)
+        _validate_window(self)
         if self.attention == "MLA":
-            check_mla(self)
+            _validate_mla(self)
         else:
-            check_heads(self)
+            _validate_heads(self)
 
     @classmethod
     def mla(cls, name: str, layers: int, heads: int, nope_dim: int, rope_dim: int, v_dim: int,
             latent_dim: int, kv_heads: int | None = None) -> KVShape:
         """An MLA shape: per head, K of ``nope_dim + rope_dim`` and V of ``v_dim`` elements (what
         the pool holds), expanded from a ``latent_dim + rope_dim`` latent."""
-        check_int(nope_dim, "nope_dim", 1)
-        check_int(rope_dim, "rope_dim", 0)
+        validated_int(nope_dim, "nope_dim", 1)
+        validated_int(rope_dim, "rope_dim", 0)
         return cls(name, layers, heads if kv_heads is None else kv_heads, nope_dim + rope_dim, "MLA",
                    latent_dim=latent_dim, rope_dim=rope_dim, query_heads=heads, head_dim_v=v_dim)
 
@@ -132,17 +196,17 @@ class KVShape:
 
     def bytes_per_sequence(self, context: int, dtype: str = "bf16") -> int:
         """KV bytes for one sequence of ``context`` tokens."""
-        return check_int(context, "context", 0) * self.bytes_per_token(dtype)
+        return validated_int(context, "context", 0) * self.bytes_per_token(dtype)
 
     def bytes_for(self, sequences: int, context: int, dtype: str = "bf16") -> int:
         """KV bytes for ``sequences`` sequences of ``context`` tokens each."""
-        return check_int(sequences, "sequences", 0) * self.bytes_per_sequence(context, dtype)
+        return validated_int(sequences, "sequences", 0) * self.bytes_per_sequence(context, dtype)
 
     def windowed_bytes_per_sequence(self, context: int, dtype: str = "bf16") -> int:
         """KV bytes of one sequence of ``context`` tokens in a cache that keeps, in each sliding
         layer, only the last ``sliding_window`` tokens (``bytes_per_sequence`` without a window)."""
         per_layer = self.bytes_per_token(dtype) // self.layers
-        kept = min(check_int(context, "context", 0), self.sliding_window or context)
+        kept = min(validated_int(context, "context", 0), self.sliding_window or context)
         return per_layer * ((self.layers - self.sliding_layers) * context + self.sliding_layers * kept)
 
 
@@ -188,7 +252,7 @@ def _required(config, what: str, *names) -> int:
     value = _field(config, *names)
     if value is None:
         raise ValueError(f"config has no {what} (looked for {', '.join(names)})")
-    return check_int(value, names[0], 1)
+    return validated_int(value, names[0], 1)
 
 
 def _sliding(config, layers: int) -> tuple[int | None, int]:
@@ -199,18 +263,18 @@ def _sliding(config, layers: int) -> tuple[int | None, int]:
     window = _field(config, "sliding_window")
     if not window or _field(config, "use_sliding_window") is False:
         return None, 0
-    window = check_int(window, "sliding_window", 1)
+    window = validated_int(window, "sliding_window", 1)
     layer_types = _field(config, "layer_types")
     pattern = _field(config, "sliding_window_pattern")
     start = _field(config, "max_window_layers")
     if layer_types:
         sliding = sum(kind == "sliding_attention" for kind in layer_types)
     elif pattern:
-        sliding = layers - layers // check_int(pattern, "sliding_window_pattern", 1)
+        sliding = layers - layers // validated_int(pattern, "sliding_window_pattern", 1)
     elif _field(config, "model_type") == "gemma2":
         sliding = (layers + 1) // 2
     elif start is not None and _field(config, "use_sliding_window"):
-        sliding = max(0, layers - check_int(start, "max_window_layers", 0))
+        sliding = max(0, layers - validated_int(start, "max_window_layers", 0))
     else:
         sliding = layers
     return (window, sliding) if sliding else (None, 0)
@@ -258,7 +322,7 @@ def from_config(config, name: str | None = None) -> KVShape:
         kv_heads = _field(config, "num_kv_heads")  # Falcon's grouped layout caches its KV groups
     elif kv_heads is None and _field(config, "multi_query"):
         kv_heads = 1  # Falcon's original multi-query layout
-    kv_heads = query_heads if kv_heads is None else check_int(kv_heads, "num_key_value_heads", 1)
+    kv_heads = query_heads if kv_heads is None else validated_int(kv_heads, "num_key_value_heads", 1)
     head_dim = _field(config, "head_dim")
     if head_dim is None:
         hidden = _required(config, "hidden size", "hidden_size", "n_embd")
@@ -266,7 +330,7 @@ def from_config(config, name: str | None = None) -> KVShape:
             raise ValueError(f"hidden size {hidden} is not divisible by {query_heads} attention heads")
         head_dim = hidden // query_heads
     attention = classify_attention(query_heads, kv_heads)
-    return KVShape(str(name), layers, kv_heads, check_int(head_dim, "head_dim", 1), attention,
+    return KVShape(str(name), layers, kv_heads, validated_int(head_dim, "head_dim", 1), attention,
                    query_heads=query_heads, **_window_fields(config, layers))
 
 

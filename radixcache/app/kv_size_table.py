@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from radixcache.app.kv_size import KVShape
-from radixcache.app.kv_size_checks import check_int
+from radixcache.app.kv_size import KVShape, validated_int
 from radixcache.table import render_table
 
 _KIB = 1024
@@ -14,7 +13,7 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 def format_bytes(n: int) -> str:
     """``n`` bytes in binary units: "512 B", "128 KiB", "1.5 GiB" (at most two decimals)."""
-    check_int(n, "byte count", 0)
+    validated_int(n, "byte count", 0)
     value, unit = float(n), _UNITS[0]
     for unit in _UNITS:
         if value < _KIB or unit == _UNITS[-1]:
@@ -27,8 +26,8 @@ def format_bytes(n: int) -> str:
 
 def sequences_that_fit(shape: KVShape, memory: int, context: int, dtype: str = "bf16") -> int:
     """How many whole sequences of ``context`` tokens fit in ``memory`` bytes of KV cache."""
-    check_int(memory, "memory", 0)
-    per_sequence = shape.bytes_per_sequence(check_int(context, "context", 1), dtype)
+    validated_int(memory, "memory", 0)
+    per_sequence = shape.bytes_per_sequence(validated_int(context, "context", 1), dtype)
     return memory // per_sequence
 
 
@@ -40,11 +39,11 @@ def kv_size_table(shapes: Iterable[KVShape] | KVShape, context: int, sequences: 
     also ``memory`` and ``fits``: how many sequences of ``context`` tokens fit in it."""
     shapes = [shapes] if isinstance(shapes, KVShape) else list(shapes)
     dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
-    check_int(context, "context", 0)
-    check_int(sequences, "sequences", 0)
+    validated_int(context, "context", 0)
+    validated_int(sequences, "sequences", 0)
     if memory is not None:
-        check_int(memory, "memory", 0)
-        check_int(context, "context", 1)
+        validated_int(memory, "memory", 0)
+        validated_int(context, "context", 1)
     rows = []
     for shape in shapes:
         if not isinstance(shape, KVShape):

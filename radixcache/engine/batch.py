@@ -14,7 +14,7 @@ import time
 import weakref
 from typing import NamedTuple
 
-from radixcache.engine.request import FINISH_ERROR, Request
+from radixcache.engine.request import FINISH_ERROR, ValidRequest
 from radixcache.errors import OutOfBlocks
 
 STALL_SLEEP_S = 0.001  # wait for blocks held outside the engine (another thread's generate)
@@ -47,13 +47,17 @@ def _abandon(engine, unfinished: set) -> None:
 
 
 class BatchRun:
-    """``requests`` (checked, ids unique on ``engine``; prompt i is ``requests[i]``) running on
-    ``engine``; see the module docstring.
+    """``requests`` (``Request``s, or ``engine``'s ``ValidRequest``s; ids unique on ``engine``;
+    prompt i is ``requests[i]``) running on ``engine``; see the module docstring.
 
-    ``progress``: a tqdm-like bar (``update``, ``close``) advanced by one per finished sample.
+    ``progress``: a tqdm-like bar (``update``, ``close``) advanced by one per finished sample;
+    ``fetched``: per request, what ``manager.fetch`` read for it from a shared store (or None).
     """
 
-    def __init__(self, engine, requests: list[Request], progress=None):
+    def __init__(self, engine, requests: list, progress=None, fetched=None):
+        fetched = fetched or [None] * len(requests)
+        requests = [r if isinstance(r, ValidRequest) else engine.validate(r) for r in requests]
+        valid, requests = requests, [r.request for r in requests]
         self.engine = engine
         self.samples = [[[] for _ in range(r.params.n)] for r in requests]
         self.reasons = [[None] * r.params.n for r in requests]
@@ -65,8 +69,8 @@ class BatchRun:
         self._unfinished = set(self._index)
         self._finalizer = weakref.finalize(self, _abandon, engine, self._unfinished)
         try:
-            for r in requests:
-                engine.add(r)
+            for r, got in zip(valid, fetched):
+                engine.add(r, got)
         except BaseException:
             self.close()
             raise

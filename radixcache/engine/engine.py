@@ -3,9 +3,11 @@
 A front end adds requests at any time (``add``), calls ``step`` in a loop while ``has_work``, and
 may ``abort`` a request at any time. Each step admits what fits (``Scheduler``), packs the new
 tokens of every running sequence (prompt chunks and single-token decodes) into one forward through
-the ``ModelRunner`` with a ``StepPlan``, chooses every next token at once (``choose``) and returns
-the ``Event`` objects it produced. Whole blocks go into the tree as soon as they are computed, so
-a request behind shares them at once; ``n > 1`` samples fork after the prompt. Rows of constrained
+the ``ModelRunner`` with a ``StepPlan`` (``pack_batch`` lays a step's sequences end to end: for each
+its next ``k`` tokens at their positions, one attention ``Segment``, and the packed rows whose
+logits the step needs), chooses every next token at once (``choose``) and returns the ``Event``
+objects it produced. Whole blocks go into the tree as soon as they are computed, so a request
+behind shares them at once; ``n > 1`` samples fork after the prompt. Rows of constrained
 requests are masked by their grammars first (``radixcache.engine.grammar``); log-probabilities are
 read from the raw logits, only for the rows of requests that ask for them.
 
@@ -34,17 +36,33 @@ from array import array
 
 import torch
 
-from radixcache.attention.plan import StepPlan, device_tensor
+from radixcache.attention.plan import Segment, StepPlan, device_tensor
 from radixcache.engine import grammar
 from radixcache.engine.inbox import Inbox
-from radixcache.engine.packing import pack_batch
 from radixcache.engine.request import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_PREFILLED,
-                                       FINISH_STOP, Event, Request, checked_prompt)
+                                       FINISH_STOP, Event, Request, ValidRequest, request_namespace,
+                                       validated_prompt)
 from radixcache.engine.runner import EngineMetrics, ModelRunner
-from radixcache.engine.samples import fork_samples, new_leader
 from radixcache.engine.sampling import Row, choose_step
 from radixcache.engine.scheduler import Scheduler
-from radixcache.engine.sequence import Live, Sequence
+from radixcache.engine.sequence import Live, Sequence, fork_samples, new_leader
+
+
+def pack_batch(batch) -> tuple[list, list, list, list]:
+    """``(tokens, positions, segments, logits_rows)`` of ``batch`` (a list of ``(Sequence, k)``):
+    the packed token ids and their positions, one ``Segment`` per sequence (its offset in the
+    packed tokens, ``k``, its K/V length after the step, its blocks), and the packed indices whose
+    logits are needed, in batch order (empty when no sequence needs one)."""
+    tokens, positions, segments, logits_rows = [], [], [], []
+    for seq, k in batch:
+        start = seq.computed
+        segments.append(Segment(len(tokens), k, start + k, tuple(seq.lease.blocks)))
+        tokens.extend(seq.tokens[start:start + k])
+        positions.extend(range(start, start + k))
+        if start + k == len(seq.tokens) and not seq.request.prefill_only:
+            logits_rows.append(len(tokens) - 1)
+    return tokens, positions, segments, logits_rows
+
 
 logger = logging.getLogger("radixcache.engine")
 
@@ -83,34 +101,42 @@ class Engine:
         """True while any added request has not delivered its final events."""
         return bool(self._inbox or self._pending)
 
-    def check(self, request: Request) -> array:
-        """Validate ``request`` for this engine without adding it; return its prompt as a new
-        ``array('I')``.
+    def namespace(self, cache_salt: str | None = None) -> tuple:
+        """The tree namespace of requests with ``cache_salt``: ``request_namespace`` of this
+        engine's model (what a store fetch for them must name)."""
+        return request_namespace(self.runner.model_id, cache_salt)
+
+    def validate(self, request: Request) -> ValidRequest:
+        """``request`` validated for this engine, without adding it: its prompt as a new
+        ``array('I')`` (the sequence the engine extends), which ``add`` takes as it is.
 
         Raises ``TypeError``/``ValueError`` for a bad request, a prompt or stop token id outside
         the vocabulary, a constraint that is not a grammar compiled for this vocabulary or a
         request id already in use, and ``OutOfBlocks`` for a prompt the whole pool cannot hold.
         """
-        tokens = checked_prompt(request, self.runner.vocab_size, self.manager.allocator.num_blocks,
-                                self.manager.block_size)
+        tokens = validated_prompt(request, self.runner.vocab_size, self.manager.allocator.num_blocks,
+                                  self.manager.block_size)
         if request.constraint is not None:
-            grammar.check_constraint(request.constraint, self.runner.vocab_size,
-                                     f"request {request.request_id!r}")
+            grammar.validate_constraint(request.constraint, self.runner.vocab_size,
+                                        f"request {request.request_id!r}")
         if self._inbox.in_use(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        return tokens
+        return ValidRequest(request, tokens, self)
 
-    def add(self, request: Request, fetched=None) -> None:
-        """Queue ``request`` (checked as by ``check``, nothing changes when that raises); it joins
-        the running batch at the next step. ``fetched``: what ``manager.fetch`` read from the shared
-        store for its prompt, loaded into the tree (``manager.load``) by the step that admits it, on
-        the stepping thread."""
-        tokens = self.check(request)
+    def add(self, request: Request | ValidRequest, fetched=None) -> None:
+        """Queue ``request`` (validated as by ``validate`` unless it is this engine's
+        ``ValidRequest`` already; nothing changes when that raises); it joins the running batch at
+        the next step. ``fetched``: what ``manager.fetch`` read from the shared store for its
+        prompt, loaded into the tree (``manager.load``) by the step that admits it, on the
+        stepping thread."""
+        valid = request if isinstance(request, ValidRequest) and request.engine is self else \
+            self.validate(request)
+        request = valid.request
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)))
-        live = Live(request, (self.runner.model_id, request.cache_salt), seed)
-        self._inbox.put_add(request.request_id, live, tokens, fetched)
+        live = Live(request, self.namespace(request.cache_salt), seed)
+        self._inbox.put_add(request.request_id, live, valid.prompt, fetched)
 
     def abort(self, request_id, sample: int | None = None) -> bool:
         """Queue a stop of request ``request_id`` (or only of its sample ``sample``, e.g. on a stop
@@ -253,11 +279,11 @@ class Engine:
 
     def _run(self, batch) -> torch.Tensor:
         """The logits of one forward over ``batch``; may raise (nothing is committed before it)."""
-        tokens, positions, segments, keep = pack_batch(batch)
+        tokens, positions, segments, logits_rows = pack_batch(batch)
         began = time.perf_counter()
         try:
             plan = StepPlan(self.pool, segments, self.backend)
-            return self.runner.forward(tokens, positions, plan, keep or [0])
+            return self.runner.forward(tokens, positions, plan, logits_rows or [0])
         finally:
             self.metrics.forward_s += time.perf_counter() - began
 
@@ -290,7 +316,7 @@ class Engine:
         row = -1
         for seq, k in batch:
             done = seq.computed + k
-            wants_row = done == len(seq.tokens) and not seq.request.prefill_only  # as pack_batch keeps
+            wants_row = done == len(seq.tokens) and not seq.request.prefill_only  # as pack_batch's logits_rows
             row += wants_row
             if not self._serving(seq):
                 continue  # its request failed earlier in this step
@@ -391,7 +417,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, token, logprobs=None, error=None) -> list[Event]:
         if error is not None:
             self.last_error = RuntimeError(error)
-        self.scheduler.finish(seq, keep=error is None)
+        self.scheduler.finish(seq, retain=error is None)
         live = seq.live
         live.finished.add(seq.sample)
         request_id = live.request.request_id

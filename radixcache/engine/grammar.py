@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import torch
 
+# xgrammar's Linux x86_64 wheel requires triton (about 1 GB) for its CUDA kernels only: on a CPU
+# the two packages it runs on are enough
+XGRAMMAR_INSTALL = ("pip install xgrammar==0.2.9 (on a machine without CUDA, without its unused triton: "
+                    "pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2)")
+
 
 def _xgrammar():
     try:
         import xgrammar
     except ImportError:  # pragma: no cover - exercised only where xgrammar is missing
-        raise ValueError("constrained requests need xgrammar: pip install 'radixcache[grammar]'") from None
+        raise ValueError(f"constrained requests need xgrammar: {XGRAMMAR_INSTALL}") from None
     return xgrammar
 
 
-def check_constraint(constraint, vocab_size: int, what: str) -> None:
+def validate_constraint(constraint, vocab_size: int, what: str) -> None:
     """``TypeError`` when ``constraint`` is not an ``xgrammar.CompiledGrammar``, ``ValueError``
     when it was compiled for another vocabulary size than the model's ``vocab_size``."""
     xgr = _xgrammar()

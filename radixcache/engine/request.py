@@ -30,7 +30,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from radixcache.errors import OutOfBlocks
+from radixcache.errors import InvalidRequest, OutOfBlocks
 from radixcache.tokens import token_array
 
 FINISH_STOP = "stop"
@@ -228,29 +228,46 @@ class TokenLogprobs(NamedTuple):
     top: tuple = ()
 
 
-def checked_prompt(request: Request, vocab_size: int, num_blocks: int, block_size: int) -> array:
+class ValidRequest(NamedTuple):
+    """A request ``engine``'s ``validate`` accepted, with its prompt as a new ``array('I')`` (the
+    sequence the engine extends): ``Engine.add`` takes it without validating it again."""
+
+    request: Request
+    prompt: array
+    engine: object
+
+
+def request_namespace(model_id: str, cache_salt: str | None) -> tuple:
+    """The tree namespace of a request: ``(model_id, cache_salt)``. The one rule: requests of other
+    weights or another salt never share a block (the store's keys and the KV events derive from
+    it too)."""
+    return (model_id, cache_salt)
+
+
+def validated_prompt(request: Request, vocab_size: int, num_blocks: int, block_size: int) -> array:
     """``request``'s prompt as a new ``array('I')`` (the sequence the engine extends), or
-    ``TypeError``/``ValueError`` (not a ``Request``; a prompt or stop token id outside the
-    vocabulary, each named) or ``OutOfBlocks`` (a prompt whose K/V a pool of ``num_blocks`` blocks
+    ``TypeError`` (not a ``Request``), ``InvalidRequest`` (a ``ValueError``: a prompt or stop token
+    id outside the vocabulary, each named, ``field`` the part at fault) or ``OutOfBlocks`` (a prompt whose K/V a pool of ``num_blocks`` blocks
     cannot hold even when empty; one that fits is served, and a sample that outgrows the pool
     ends with ``"length"``)."""
     if not isinstance(request, Request):
         raise TypeError(f"expected a radixcache.engine.Request, got {type(request).__name__}")
     tokens = array("I", request.prompt)
-    check_vocabulary(tokens, vocab_size, f"request {request.request_id!r}")
+    validate_vocabulary(tokens, vocab_size, f"request {request.request_id!r}")
     stops = sorted(t for t in request.params.stop_token_ids if t >= vocab_size)
     if stops:
-        raise ValueError(f"request {request.request_id!r}: stop token ids {stops} are outside the "
-                         f"vocabulary 0..{vocab_size - 1}")
+        raise InvalidRequest(f"request {request.request_id!r}: stop token ids {stops} are outside the "
+                             f"vocabulary 0..{vocab_size - 1}", "stop_token_ids")
     if math.ceil(len(tokens) / block_size) > num_blocks:
         raise OutOfBlocks(f"request {request.request_id!r}: a prompt of {len(tokens)} tokens does not "
                           f"fit a pool of {num_blocks} blocks of {block_size}: raise max_cache_tokens")
     return tokens
 
 
-def check_vocabulary(tokens, vocab_size: int, what: str = "prompt") -> None:
-    """``ValueError`` naming the first id of ``tokens`` (non-negative ints) outside the vocabulary
-    ``0..vocab_size-1``, prefixed with ``what``; the one vocabulary check of a request's prompt."""
+def validate_vocabulary(tokens, vocab_size: int, what: str = "prompt") -> None:
+    """``InvalidRequest`` (field "prompt") naming the first id of ``tokens`` (non-negative ints)
+    outside the vocabulary ``0..vocab_size-1``, prefixed with ``what``; the one vocabulary check of
+    a request's prompt."""
     if len(tokens) and max(tokens) >= vocab_size:
         bad = next(t for t in tokens if t >= vocab_size)
-        raise ValueError(f"{what}: token id {bad} is outside the vocabulary 0..{vocab_size - 1}")
+        raise InvalidRequest(f"{what}: token id {bad} is outside the vocabulary 0..{vocab_size - 1}", "prompt")

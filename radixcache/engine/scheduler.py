@@ -13,7 +13,10 @@ release), with its lock held by the caller (``Engine.step``).
   waiting request counts them as cached. A prefill-only request that has not started yet holds no
   normal request back: the normal one computes the shared blocks itself, and the prefill-only one,
   admitted after it, waits for it and then finds them cached (background work such as a reply's
-  history form never costs a client a step).
+  history form never costs a client a step). ``PromptIndex`` answers "which prompt being computed
+  shares blocks with this one" with one dictionary lookup: it files each member's prompt under the
+  chained hash of every prefix of whole blocks (``Sequence.block_hashes``), then compares the
+  candidate's tokens exactly (a hash collision cannot make it answer wrongly).
 - A step takes every decode (one token each) and then prompt chunks within ``max_step_tokens``,
   in priority order; each sequence's blocks grow to cover its new tokens. When even eviction cannot
   supply them, the lowest-priority, most recently admitted sequence is preempted: what it computed
@@ -27,9 +30,78 @@ from __future__ import annotations
 from bisect import bisect_right
 from heapq import heapify, heappop, heappush
 
-from radixcache.engine.prompt_index import PromptIndex
 from radixcache.engine.sequence import Sequence
 from radixcache.errors import OutOfBlocks
+
+
+class PromptIndex:
+    """Member sequences, filed under the chained hash of their namespace and every prefix of whole
+    blocks of their prompts (``tokens[:prompt_len]``). A key names one member, or a list of them
+    (oldest first) where prompts share blocks: no container per block, so filing a prompt does not
+    wake the garbage collector."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._members: dict[Sequence, list] = {}  # member -> its keys
+        self._by_key: dict[int, Sequence | list] = {}  # key -> the member, or members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self._members
+
+    def add(self, seq: Sequence) -> None:
+        """File ``seq``'s prompt (a no-op when it is a member)."""
+        if seq in self._members:
+            return
+        n = seq.prompt_len // self.block_size
+        keys = seq.block_hashes(n, self.block_size)[:n]
+        by_key = self._by_key
+        for key in keys:
+            held = by_key.setdefault(key, seq)
+            if held is not seq:
+                if type(held) is list:
+                    held.append(seq)
+                else:
+                    by_key[key] = [held, seq]
+        self._members[seq] = keys
+
+    def discard(self, seq: Sequence) -> None:
+        """Forget ``seq`` (a no-op when it is not a member)."""
+        keys = self._members.pop(seq, None)
+        by_key = self._by_key
+        for key in keys or ():
+            held = by_key[key]
+            if held is seq:
+                del by_key[key]
+            else:
+                held.remove(seq)
+                if len(held) == 1:
+                    by_key[key] = held[0]
+
+    def sync(self, members) -> None:
+        """Make the members exactly ``members`` (each added or dropped once in its life)."""
+        wanted = dict.fromkeys(members)
+        for seq in [s for s in self._members if s not in wanted]:
+            self.discard(seq)
+        for seq in wanted:
+            self.add(seq)
+
+    def sharing(self, seq: Sequence, blocks: int) -> Sequence | None:
+        """The first member other than ``seq`` in its namespace whose prompt starts with the first
+        ``blocks`` whole blocks of ``seq.tokens[:-1]``, or None."""
+        bs = self.block_size
+        if not self._members or blocks < 1 or blocks > (len(seq.tokens) - 1) // bs:
+            return None
+        held = self._by_key.get(seq.block_hashes(blocks, bs)[blocks - 1])
+        if held is None:
+            return None
+        bucket = held if type(held) is list else (held,)
+        end = blocks * bs
+        mine = seq.tokens[:end]
+        return next((other for other in bucket if other is not seq and other.live.namespace ==
+                     seq.live.namespace and other.tokens[:end] == mine), None)
 
 
 class Scheduler:
@@ -90,7 +162,8 @@ class Scheduler:
                 break
             self.manager.grow(lease, lease.computed + first)
             if not seq.resumed and seq.sample == 0:
-                self.manager.record_admission(lease, seq.prompt_len)
+                if not seq.request.prefill_only:  # background work, not a query of the cache
+                    self.manager.record_admission(lease, seq.prompt_len)
                 seq.live.cached_tokens = lease.cached_tokens
             seq.live.admitted = True
             seq.lease = lease
@@ -155,7 +228,7 @@ class Scheduler:
 
     def _sync_peeks(self) -> None:
         """Carry every waiting sequence's last peek forward to the tree's epoch unless an insert
-        since (``radixcache.tree.changes``) began with one of its blocks at or before the first one
+        since (``radixcache.tree.body``) began with one of its blocks at or before the first one
         the peek did not find: only those can have grown."""
         changes = self.manager.tree.changes
         epoch, old = changes.epoch, self._synced
@@ -266,17 +339,17 @@ class Scheduler:
             started.append(child)
         return started
 
-    def finish(self, seq: Sequence, keep: bool = True) -> None:
+    def finish(self, seq: Sequence, retain: bool = True) -> None:
         """Commit what ``seq`` computed and release everything it holds (running or waiting); with
-        ``keep`` and the request's ``keep_s``, its committed path is retained that long."""
+        ``retain`` and the request's ``keep_s``, its committed path is retained that long."""
         if seq.lease is not None:
             lease, seq.lease = seq.lease, None
             self.running.remove(seq)
-            self.manager.finish(lease, seq.tokens, seq.request.keep_s if keep else None)
+            self.manager.finish(lease, seq.tokens, seq.request.keep_s if retain else None)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
     def back_out(self, seq: Sequence) -> None:
         """After a failure: ``seq`` ends keeping only what was committed before (no retention
         hint). Its lease is let go even when this raises."""
-        self.finish(seq, keep=False)
+        self.finish(seq, retain=False)

@@ -234,7 +234,7 @@ class KVPool:
         """``export_block`` of each of ``blocks``, in order, with one gather per layer and tensor
         and one device-to-host transfer for all of them."""
         for block in blocks:
-            self._check_block(block)
+            self._validate_block(block)
         if not blocks:
             return []
         index = torch.as_tensor(list(blocks), dtype=torch.long, device=self.device)
@@ -257,7 +257,7 @@ class KVPool:
         (nothing written) on another dtype or shape, a payload of the wrong size, bad scales or a
         refused rescale. Safe to call from another thread while forwards write the pool.
         """
-        self._check_block(block)
+        self._validate_block(block)
         if kv.dtype != self._dtype_name or tuple(kv.shape) != self._block_shape:
             raise ValueError(f"block K/V is {kv.dtype}{tuple(kv.shape)}, this pool holds "
                              f"{self._dtype_name}{self._block_shape}")
@@ -276,7 +276,7 @@ class KVPool:
             for layer, pair in adopt:
                 self.fp8.adopt(layer, pair)
 
-    def _check_block(self, block: int) -> None:
+    def _validate_block(self, block: int) -> None:
         if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
             raise ValueError(f"block must be an int in 0..{self.num_blocks - 1}, got {block!r}")
 

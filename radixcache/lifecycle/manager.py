@@ -41,16 +41,13 @@ Invariants (``check()`` verifies them; the property tests run it after every ste
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Sequence
 
 from radixcache.blocks import BlockAllocator
 from radixcache.errors import CacheError
-from radixcache.lifecycle.arguments import (check_computed, check_continues, check_live,
-                                            check_publisher, check_seconds, check_store,
-                                            check_tokens_cover, packed_prompt)
-from radixcache.lifecycle.check import check_manager
-from radixcache.lifecycle.holds import adopt, hold_match, keep_tail, let_go, share
-from radixcache.lifecycle.lease import AttachedCounters, Lease, Ledger
+from radixcache.lifecycle.lease import (AttachedCounters, Lease, Ledger, adopt, hold_match, leave_tail, let_go,
+                                         share)
 from radixcache.lifecycle.offers import OfferQueue, ReleasingLock
 from radixcache.lifecycle.prefetch import Fetched, fetch_from_store, load_fetched
 from radixcache.lifecycle.supply import BlockSupply
@@ -92,7 +89,9 @@ class CacheManager:
         back, or a scheduler's tentative admission, counted by ``record_admission`` once it sticks)
         keeps it out of the ledger. Raises TypeError/ValueError for bad tokens, before any change;
         never OutOfBlocks."""
-        tokens = packed_prompt(tokens)
+        tokens = token_array(tokens)
+        if not tokens:
+            raise ValueError("empty prompt: a request needs at least one token")
         with self.mutex:
             m = self.tree.match(tokens[:-1], namespace)
             lease = hold_match(self.tree, self.allocator, m, namespace, tokens)
@@ -113,7 +112,7 @@ class CacheManager:
         tentatively (and backs out when the first chunk's blocks cannot be had) counts only the
         admission it keeps, so a prompt is never counted twice."""
         with self.mutex:
-            check_live(lease, self._live, "record_admission")
+            self._held(lease, "record_admission")
             self.ledger.count_request(prompt_tokens, lease.cached_tokens)
 
     def grow(self, lease: Lease, length: int) -> None:
@@ -121,7 +120,7 @@ class CacheManager:
         LRU leaves when short. Raises OutOfBlocks, with nothing changed, when even eviction cannot
         supply them; the message says what is needed, free, freeable and held by running requests."""
         with self.mutex:
-            check_live(lease, self._live, "grow")
+            self._held(lease, "grow")
             need = -(-length // self.block_size) - len(lease.blocks)
             if need > 0:
                 lease.blocks.extend(self._supply.allocate(need, f"{length} tokens",
@@ -143,14 +142,21 @@ class CacheManager:
         they differ: another sequence was passed), so a commit costs O(block). The blocks the tree
         adopted are offered to the store unless ``offer`` is False (they came from it)."""
         with self.mutex:
-            check_live(lease, self._live, "commit")
+            self._held(lease, "commit")
             bs = self.block_size
-            check_computed(lease, tokens, computed, bs)
+            most = min(len(tokens), len(lease.blocks) * bs)
+            if not lease.computed <= computed <= most:
+                raise CacheError(f"commit: computed={computed} must lie in {lease.computed}.."
+                                 f"{most} (tokens and blocks)")
             full, done = computed // bs, lease.committed
             if full <= done:
                 lease.computed = computed
                 return
-            check_continues(lease, tokens, bs)
+            # the first and the last committed block, whatever the context: a commit of another
+            # sequence differs in one of them
+            for lo in {0, (done - 1) * bs} if done else ():
+                if token_array(tokens[lo:lo + bs]) != lease.tokens[lo:lo + bs]:
+                    raise CacheError("commit: the tokens differ from the ones committed before")
             first_new = adopt(self.tree, self.allocator, lease,
                               token_array(tokens[done * bs:full * bs]), full)
             lease.computed = computed
@@ -163,7 +169,7 @@ class CacheManager:
         a copy of the partial last block. OutOfBlocks, with nothing changed, when no block is free
         or freeable for that copy."""
         with self.mutex:
-            check_live(lease, self._live, "fork")
+            self._held(lease, "fork")
             full, partial = divmod(lease.computed, self.block_size)
             what, live = "the copy of a partial block", self._live.values()
             if partial and self.pool is None:
@@ -186,9 +192,10 @@ class CacheManager:
                 return
             try:
                 if tokens is not None:
-                    check_tokens_cover(lease, tokens)
+                    if len(tokens) < lease.computed:
+                        raise CacheError(f"release: {len(tokens)} tokens, but {lease.computed} were computed")
                     self.commit(lease, tokens, lease.computed)  # all its whole blocks
-                    keep_tail(self.tree, lease, tokens)
+                    leave_tail(self.tree, lease, tokens)
             finally:  # whatever happened above, the lease lets go of everything
                 let_go(self.tree, self.allocator, lease)
                 del self._live[id(lease)]
@@ -200,9 +207,9 @@ class CacheManager:
         last block kept as a tail). A bad ``keep_s`` raises before anything changes; whatever
         fails after that, the lease is released."""
         with self.mutex:
-            check_live(lease, self._live, "finish")
+            self._held(lease, "finish")
             if keep_s is not None:
-                check_seconds(keep_s)
+                self._seconds(keep_s, "finish")
             try:
                 if keep_s is not None:
                     self.commit(lease, tokens, lease.computed)
@@ -231,7 +238,8 @@ class CacheManager:
 
     def use_store(self, store) -> None:
         """Attach a shared store (or None); it needs the manager's pool and its block size."""
-        check_store(store, self.pool, self.block_size)
+        if store is not None and (self.pool is None or store.block_size != self.block_size):
+            raise ValueError("a store needs the manager's pool and the same block size")
         with self.mutex:
             self.store = store
 
@@ -239,7 +247,8 @@ class CacheManager:
         """Publish the tree's whole blocks through ``publisher`` (a
         ``radixcache.kv_events.KVEventPublisher``; None stops): it starts with ``AllBlocksCleared``
         and ``BlockStored`` for what the tree holds. A publisher replaced here is not closed."""
-        check_publisher(publisher)
+        if publisher is not None and not hasattr(publisher, "log"):
+            raise TypeError(f"use_events takes a KVEventPublisher or None, got {type(publisher).__name__}")
         with self.mutex:
             self.tree.set_event_log(None if publisher is None else publisher.log)
             self.events = publisher
@@ -268,9 +277,18 @@ class CacheManager:
         refused. Soft: it never pins, needs no release, and once expired changes nothing; it never
         changes a computed token. Call it after the last ``commit``, before ``release``."""
         with self.mutex:
-            check_live(lease, self._live, "keep")
-            check_seconds(seconds)
+            self._held(lease, "keep")
+            self._seconds(seconds, "keep")
             self.tree.keep(lease.node, self.clock() + seconds)
+
+    @staticmethod
+    def _seconds(seconds, what: str) -> None:
+        """TypeError unless ``seconds`` (of ``keep`` / ``finish``) is an int or float (not a bool);
+        ValueError unless it is >= 0 (NaN is not)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise TypeError(f"{what}: seconds must be a number, got {seconds!r}")
+        if not seconds >= 0:
+            raise ValueError(f"{what}: seconds must be >= 0, got {seconds!r}")
 
     # ------------------------------------------------------------------ ledger and sizes
     def record_generated(self, n: int) -> None:
@@ -323,7 +341,22 @@ class CacheManager:
         what is wrong."""
         with self.mutex:
             self._finish_offers()
-            check_manager(self.tree, self.allocator, self.leases(), self.block_size)
+            tree, held = self.tree, 0
+            tree.check()
+            for lease in self._live.values():
+                path = tree.path_blocks(lease.node)
+                assert list(path) == lease.blocks[:lease.committed], \
+                    f"{lease}: committed blocks are not the tree's path to its locked node"
+                assert lease.tokens == _path_tokens(lease.node), \
+                    f"{lease}: its token record is not the tokens of its path"
+                assert not any(tree.holds(b) for b in lease.blocks[lease.committed:]), \
+                    f"{lease}: holds a tree block off its locked path"
+                assert lease.computed <= len(lease.blocks) * self.block_size
+                held += len(lease.blocks)
+            allocator = self.allocator
+            total = sum(allocator.refcount(b) for b in range(allocator.num_blocks))
+            assert total == tree.cached_blocks + held, \
+                f"reference counts sum to {total}, tree {tree.cached_blocks} + leases {held}"
 
     def leases(self) -> tuple:
         """The live leases (admitted or forked, not yet released)."""
@@ -331,9 +364,29 @@ class CacheManager:
             return tuple(self._live.values())
 
     # ------------------------------------------------------------------ helpers
+    def _held(self, lease, what: str) -> None:
+        """TypeError unless ``lease`` is a Lease; CacheError unless this manager holds it live (not
+        released, not another manager's). ``what`` names the calling verb."""
+        if not isinstance(lease, Lease):
+            raise TypeError(f"{what}: expected a Lease from admit(), got {type(lease).__name__}")
+        if lease.released or self._live.get(id(lease)) is not lease:
+            raise CacheError(f"{what}: the lease was released (or belongs to another manager)")
+
     def _finish_offers(self) -> None:
         self._offers.finish(self.tree, self.pool)
 
     def __repr__(self) -> str:
         return (f"CacheManager(block_size={self.block_size}, blocks={self.allocator.num_blocks}, "
                 f"free={self.allocator.num_free}, running={len(self._live)})")
+
+
+def _path_tokens(node) -> array:
+    """The tokens on the path from the namespace root down to ``node`` (a tree handle)."""
+    keys = []
+    while node is not None:
+        keys.append(node.key)
+        node = node.parent
+    out = array("I")
+    for key in reversed(keys):
+        out.extend(key)
+    return out

@@ -3,41 +3,89 @@
 Every non-root node holds a run of whole blocks: its tokens (a multiple of ``block_size``) and their
 block ids, one per ``block_size`` tokens. A node may also keep one *partial tail*: fewer than
 ``block_size`` tokens in one block (the end of a finished sequence), reused copy-on-write by the
-next match, never locked, evicted like any leaf. Nodes live in a struct of arrays (``radixcache.tree.nodes``):
+next match, never locked, evicted like any leaf. Nodes live in a struct of arrays (``radixcache.tree.body``):
 tokens are packed uint32 bytes compared with one ``memcmp`` per node, children are found by the
 packed bytes of their first block, and nothing the cyclic garbage collector walks grows with nodes,
 blocks or tokens. The tree holds one reference on each block it holds; callers hold their own.
-Evictable leaves are kept in eviction order by ``radixcache.tree.recency`` (block-level LRU, with soft
+Evictable leaves are kept in eviction order by ``radixcache.tree.eviction`` (block-level LRU, with soft
 retention as a second tier; ``RadixCache.evict`` states the rule), so eviction never scans the
 tree. Calls over many block ids check them with numpy.
+
+Every method checks its arguments before it changes anything (the checks sit beside the methods
+they guard): ``TypeError`` for a wrong type, ``ValueError`` for a bad value, ``CacheError`` for a
+node that does not fit the tree's state. Results are ``Match`` (``match``), ``Adopted``
+(``adopt``) and ``CacheStats`` (the token counters).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from radixcache.blocks import BlockAllocator
+from radixcache.blocks import BlockAllocator, as_block_ids
 from radixcache.errors import CacheError
-from radixcache.tree.arguments import (check_deadline, check_namespace, check_num_blocks,
-                                       check_tree_args, node_id)
-from radixcache.tree.nodes import HandleTable, Node
 from radixcache.tokens import token_bytes, unpack
-from radixcache.tree.body import TreeBody
-from radixcache.tree.check import check_tree, held_outside
+from radixcache.tree.body import (ChangeLog, HandleTable, Node, TreeBody, check_tree, held_outside,
+                                  insert_below)
+from radixcache.tree.events import attach_event_log, muted_then_resynced
 from radixcache.tree.eviction import evict_lru
-from radixcache.tree.event_log import attach_event_log, muted_then_resynced
-from radixcache.tree.insertion import insert_args, insert_below
-from radixcache.tree.changes import ChangeLog
-from radixcache.tree.results import Adopted, CacheStats, Match
+
+
+class Match(NamedTuple):
+    """Result of ``RadixCache.match``.
+
+    ``length`` tokens (a multiple of block_size) are cached in ``blocks`` (in order); ``node`` is the
+    deepest matched node (the namespace root when nothing matched), ready to ``lock``.
+
+    After those tokens, the next ``tail_length`` tokens of the query (``0 <= tail_length <
+    block_size``) are cached in positions ``0 .. tail_length-1`` of block ``tail_block`` (a partial
+    tail kept at a leaf, or the first block of a child that diverges inside it). The tree keeps its
+    reference: a caller that wants those tokens retains the block at once, copies it into a block
+    of its own (copy on write) and never writes into ``tail_block``.
+    """
+
+    length: int
+    blocks: tuple
+    node: Node
+    tail_length: int = 0
+    tail_block: int | None = None
+
+
+class Adopted(NamedTuple):
+    """Result of ``RadixCache.adopt``: ``cached`` leading tokens were in the tree already; ``node``
+    ends at the last whole block of the tokens (ready to ``lock``); ``blocks`` are the tree's block
+    ids for every whole block of the tokens."""
+
+    cached: int
+    node: Node
+    blocks: tuple
+
+
+@dataclass
+class CacheStats:
+    """Token-level counters: hit rate = hit_tokens / queried_tokens (comparable to vLLM/SGLang)."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    inserted_tokens: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of queried tokens that were served from the cache (0.0 before any query)."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
 
 Namespace = tuple
-__all__ = ["LIVE_CACHES", "Namespace", "RadixCache"]
 
 # Every RadixCache alive in the process; the test suite's leak check walks it.
 LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
+
 
 class RadixCache:
     """Token-keyed, block-aligned radix tree with reference-counted blocks and LRU leaf eviction.
@@ -46,12 +94,17 @@ class RadixCache:
     ``L // block_size`` blocks. ``namespace`` tuples partition the tree completely: no node or block
     is shared between them. ``clock`` (seconds, non-decreasing) is what ``keep`` deadlines are read
     against. Each method's docstring states its contract; ``check()`` verifies the invariants
-    (``radixcache.tree.body`` states them). ``changes`` (a ``radixcache.tree.changes.ChangeLog``) says
+    (``radixcache.tree.body`` states them). ``changes`` (a ``radixcache.tree.body.ChangeLog``) says
     when the content changed and what was inserted, for callers that cache ``peek`` results.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int = 16, *, clock=time.monotonic):
-        check_tree_args(allocator, block_size, clock)
+        if not isinstance(allocator, BlockAllocator):
+            raise TypeError("allocator must be a BlockAllocator")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not callable(clock):
+            raise TypeError("clock must be a callable returning seconds")
         self.allocator = allocator
         self.block_size = block_size
         self.clock = clock
@@ -109,7 +162,32 @@ class RadixCache:
         """The handle on the live node ``node_id`` (for ``Node`` introspection)."""
         return self._handles.get(self, node_id, self.node_table.gen[node_id])
 
+    def _node_id(self, node, what: str) -> int:
+        """The id of the node ``node`` names, for the verb ``what``: TypeError unless it is a
+        ``Node``; CacheError when it belongs to another tree, was evicted, or is a partial tail
+        (never locked or retained)."""
+        if not isinstance(node, Node):
+            raise TypeError(f"{what}: expected a node from match(), got {type(node).__name__}")
+        if node.owner is not self:
+            raise CacheError(f"{what}: node belongs to another RadixCache")
+        if not self.node_table.is_live(node.id, node.gen):
+            raise CacheError(f"{what}: node was evicted; lock the node a match returns right away")
+        if self.body.is_tail(node.id):
+            raise CacheError(f"{what}: a partial tail is never locked or retained; copy its block instead")
+        return node.id
+
     # ----------------------------------------------------------------- queries
+    @staticmethod
+    def _namespace(namespace) -> tuple:
+        """``namespace``, once it is known to be a hashable tuple (TypeError otherwise)."""
+        if not isinstance(namespace, tuple):
+            raise TypeError(f"namespace must be a tuple, got {type(namespace).__name__}")
+        try:
+            hash(namespace)
+        except TypeError:
+            raise TypeError("namespace must be hashable") from None
+        return namespace
+
     def match(self, tokens: Sequence[int], namespace: Namespace = ()) -> Match:
         """Longest cached block-aligned prefix of ``tokens`` in ``namespace``, and the partial tail
         that continues it, if any (see ``Match``).
@@ -124,7 +202,7 @@ class RadixCache:
         """
         q = token_bytes(tokens)
         body = self.body
-        root = body.root(check_namespace(namespace))
+        root = body.root(self._namespace(namespace))
         node, pos, blocks = body.walk(q, root, True)
         tail_length, tail = body.best_tail(node, q[pos:pos + body.bs4 - 4])
         if tail >= 0 and self.node_table.tail[node] == tail:
@@ -142,7 +220,7 @@ class RadixCache:
         """Length of the longest cached block-aligned prefix of ``tokens``, with no side effect at all
         (no split, no recency refresh, no stats): for schedulers that rank waiting requests."""
         q = token_bytes(tokens)
-        root = self.body.roots.get(check_namespace(namespace))
+        root = self.body.roots.get(self._namespace(namespace))
         return 0 if root is None else self.body.walk(q, root, False)[1] >> 2
 
     # ----------------------------------------------------------------- inserts
@@ -170,10 +248,26 @@ class RadixCache:
         pos, node, path = self._adopt(tokens, blocks, namespace, tail_block)
         return Adopted(pos >> 2, self.handle_of(node), tuple(array("I", path)))
 
+    def _insert_args(self, tokens, blocks, tail_block, what: str) -> tuple:
+        """(packed tokens, block ids, tail id or None, whole blocks) of an insert, checked:
+        ``ValueError``/``TypeError`` naming ``what`` for tokens and ids that do not fit together."""
+        bs4 = self.body.bs4
+        q = token_bytes(tokens)
+        nblocks = len(q) // bs4
+        ids = as_block_ids(blocks, what)
+        tail = None if tail_block is None else as_block_ids((tail_block,), what)
+        if len(ids) != nblocks:
+            raise ValueError(f"{what}: {len(q) >> 2} tokens cover {nblocks} whole blocks of "
+                             f"{bs4 // 4}, got {len(ids)} block ids")
+        if tail is not None and len(q) == nblocks * bs4:
+            raise ValueError(f"{what}: a tail_block needs a partial last block, but {len(q) >> 2} "
+                             f"tokens are whole blocks of {bs4 // 4}")
+        return q, ids, tail, nblocks
+
     def _adopt(self, tokens, blocks, namespace, tail_block) -> tuple[int, int, bytearray]:
         """The insertion; returns (cached bytes, end node id, the tree's packed block ids)."""
-        args = insert_args(self.body, tokens, blocks, tail_block, "insert")
-        root = self.body.root(check_namespace(namespace))
+        args = self._insert_args(tokens, blocks, tail_block, "insert")
+        root = self.body.root(self._namespace(namespace))
         return insert_below(self.body, self.allocator, self.stats, self.changes, root, args, 0, False)
 
     def adopt_below(self, node: Node, tokens: Sequence[int], blocks: Sequence[int],
@@ -187,11 +281,11 @@ class RadixCache:
         ``node`` itself rather than a new child (so a sequence committed block by block stays a
         few nodes deep): the returned node is then ``node``, which ends deeper now. ``CacheError``
         for a node that is not locked; every argument is checked before anything changes."""
-        start = node_id(self, node, "adopt_below")
+        start = self._node_id(node, "adopt_below")
         body = self.body
         if self.node_table.lock_ref[start] == 0:
             raise CacheError("adopt_below: lock the node first (an unlocked node may be split or evicted)")
-        args = insert_args(body, tokens, blocks, tail_block, "adopt_below")
+        args = self._insert_args(tokens, blocks, tail_block, "adopt_below")
         pos, end, path = insert_below(body, self.allocator, self.stats, self.changes, start, args,
                                       body.depth(start), True)
         return Adopted(pos >> 2, self.handle_of(end), tuple(array("I", path)))
@@ -200,11 +294,11 @@ class RadixCache:
     def lock(self, node: Node) -> None:
         """Pin the path from the namespace root to ``node``: none of it is evicted until ``unlock``.
         Locks nest. A partial tail is never locked (``CacheError``)."""
-        self.body.pin(node_id(self, node, "lock"))
+        self.body.pin(self._node_id(node, "lock"))
 
     def unlock(self, node: Node) -> None:
         """Undo one ``lock(node)``. Raises ``CacheError`` if ``node`` is not locked."""
-        i = node_id(self, node, "unlock")
+        i = self._node_id(node, "unlock")
         if self.node_table.own_locks[i] == 0:
             raise CacheError("unlock: node is not locked (lock() was not called on it)")
         self.body.unpin(i)
@@ -217,8 +311,11 @@ class RadixCache:
         retained. Retention only ever extends: the latest deadline given for a node holds. A partial
         tail below ``node`` is not covered. Raises ``TypeError``/``ValueError`` for a deadline that is
         not a real number, ``CacheError`` for a node no longer in the tree."""
-        i = node_id(self, node, "keep")
-        check_deadline(until)
+        i = self._node_id(node, "keep")
+        if isinstance(until, bool) or not isinstance(until, (int, float)):
+            raise TypeError(f"keep: until must be a number of seconds on the tree's clock, got {until!r}")
+        if math.isnan(until):
+            raise ValueError("keep: until is NaN")
         self.recency.extend_deadline(i, until)
 
     # ----------------------------------------------------------------- eviction
@@ -234,7 +331,8 @@ class RadixCache:
         (``peek``, ``lock``, ``unlock``, ``keep``, splits, evictions) changes it. A use always
         covers the path from the namespace root, so a block is never older than the blocks below it
         and the least recently used blocks are always at leaves."""
-        check_num_blocks(num_blocks)
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         dropped = evict_lru(self.body, num_blocks, self.clock)
         self.stats.evicted_blocks += dropped
         if dropped:
@@ -268,7 +366,7 @@ class RadixCache:
     # ----------------------------------------------------------------- introspection
     def path_blocks(self, node: Node) -> tuple:
         """The blocks on the path from the namespace root down to ``node`` (no side effect)."""
-        i = node_id(self, node, "path_blocks")
+        i = self._node_id(node, "path_blocks")
         return tuple(array("I", self.node_table.path_blocks(i)))
 
     def holds(self, block: int) -> bool:

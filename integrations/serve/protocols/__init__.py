@@ -1,0 +1,2 @@
+"""The protocols the server speaks, one adapter each (``openai``, ``anthropic``), and what their
+request models share (``schema``)."""
