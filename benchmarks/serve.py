@@ -27,7 +27,7 @@ Every phase is bounded in count (sessions x turns calls) and time: no turn start
 ``--budget`` seconds (default 600) and calls still running at twice that are cut off and reported
 as incomplete. ``--quick`` runs 3 turns of 16 new tokens with a 90 s budget; default
 ``transformers serve`` takes 7-8 s per turn on the embedded model on 2 CPU cores. Timings measured
-on a shared machine are noisy: the README's numbers come from a quiet one.
+on a shared machine are noisy: the numbers in benchmarks/README.md come from a quiet one.
 
     python benchmarks/serve.py [--quick] [--model DIR] [--dtype auto|float32|bfloat16]
                                [--servers radixcache,transformers,transformers-cb,llama-server]

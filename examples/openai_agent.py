@@ -9,6 +9,11 @@ The agent sends the whole conversation every step, as agent frameworks do; the s
 with the model's chat template and, thanks to the radix cache and its token-exact history, computes
 only the new messages. Each step prints how many prompt tokens the server served from its cache
 (``usage.prompt_tokens_details.cached_tokens``). The tools are local Python functions.
+
+Step 1 asks for a tool call (``tool_choice: "required"``: a grammar makes the reply one valid call,
+which a small model would not write on its own; it needs the server's grammar extra, and without it
+the step falls back to letting the model choose); later steps let the model choose
+(``tool_choice: "auto"``): call another tool, or answer.
 """
 
 from __future__ import annotations
@@ -22,13 +27,17 @@ import sys
 
 import openai
 
+# The patterns bound the arguments: under a forced call a 135M model would otherwise keep writing
+# inside a JSON string until max_tokens.
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Current weather for a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z .-]{1,40}$"}},
+                       "required": ["city"]}}},
     {"type": "function", "function": {
         "name": "calculator", "description": "Evaluate an arithmetic expression such as (12 * 7) + 3.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+        "parameters": {"type": "object", "properties": {
+            "expression": {"type": "string", "pattern": "^[0-9+*/%(). -]{1,60}$"}},
                        "required": ["expression"]}}},
 ]
 WEATHER = {"berlin": "rain showers, 9 C, wind 31 km/h", "paris": "sunny, 14 C", "oslo": "snow, -2 C"}
@@ -67,13 +76,25 @@ def call_tool(name: str, arguments: str) -> str:
         return f"error: cannot call {name} with {arguments!r} ({exc})"
 
 
+def ask(client, model: str, messages: list, tool_choice: str):
+    """One step: the whole conversation, the tools, greedy. A server without structured output
+    (no grammar extra) refuses ``tool_choice: "required"``; the step then lets the model choose."""
+    try:
+        return client.chat.completions.create(model=model, messages=messages, tools=TOOLS, temperature=0,
+                                              max_tokens=128, tool_choice=tool_choice)
+    except openai.BadRequestError as exc:
+        if tool_choice != "required" or "xgrammar" not in str(exc):
+            raise
+        print("  (this server has no structured output: the model chooses whether to call a tool)")
+        return ask(client, model, messages, "auto")
+
+
 def run_agent(client, model: str, task: str, max_steps: int = 6) -> str:
     """Ask, run the tools the model calls, send their results back, until it answers in text."""
     messages = [{"role": "system", "content": "You are a helpful assistant. Use the tools when they help."},
                 {"role": "user", "content": task}]
     for step in range(1, max_steps + 1):
-        response = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                                  temperature=0, max_tokens=128)
+        response = ask(client, model, messages, "required" if step == 1 else "auto")
         message, usage = response.choices[0].message, response.usage
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
         print(f"step {step}: {usage.prompt_tokens} prompt tokens, {cached} from the cache, "

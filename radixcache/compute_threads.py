@@ -13,9 +13,19 @@ scheduler thread) keeps every other thread serial: ``serial_here()`` on the load
 its first torch op, and on helper threads that touch tensors; ``parallel_here(n)`` on the compute
 thread, with the ``n`` that ``serial_here`` returned. A process that loads and computes on one
 thread (``wrap(model).generate`` in a script) needs neither.
+
+``default_threads()`` is the thread count ``radixcache serve`` and ``radixcache demo`` use without
+``--threads``: ``OMP_NUM_THREADS`` when it is set, else ``available_cpus()``, how many CPUs this
+process may use (its affinity, capped by a cgroup CPU quota).
+``os.cpu_count()`` counts the machine's CPUs, which a container or a ``taskset`` may not allow;
+threads beyond what the process may use only wait for each other.
 """
 
 from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
 
 import torch
 
@@ -34,3 +44,41 @@ def parallel_here(threads: int) -> None:
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise ValueError(f"threads must be an int >= 1, got {threads!r}")
     torch.set_num_threads(threads)
+
+
+def default_threads() -> tuple[int, str]:
+    """``(threads, why)``: ``OMP_NUM_THREADS`` when it is a positive integer, else
+    ``available_cpus()``; ``why`` says which, for the start-up line."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) >= 1:
+        return int(value), "OMP_NUM_THREADS"
+    return available_cpus(), "the CPUs this process may use"
+
+
+def available_cpus(cgroup_root: str | os.PathLike = "/sys/fs/cgroup") -> int:
+    """CPUs this process may use: its scheduler affinity (``os.sched_getaffinity``; the machine's
+    count where that is not known), capped by a cgroup CPU quota (cgroup v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, rounded up); at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota(Path(cgroup_root))
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    return max(1, cpus)
+
+
+def _cgroup_quota(root: Path) -> float | None:
+    """CPUs a cgroup quota allows (None: no quota, or none readable)."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None

@@ -170,7 +170,8 @@ class ServeProcess:
     def client(self, **kwargs):
         import openai
 
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="none", max_retries=0, **kwargs)
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
+                             **kwargs)
 
     def wait_for_output(self, text: str, timeout: float = 30.0) -> None:
         """Wait until the process has printed ``text``."""

@@ -18,6 +18,8 @@ import agent_sandbox
 from agent_sandbox import Sandbox, claude_argv, claude_env, codex_argv, codex_env, codex_home, recording_server
 from recording_server import REPLY_TEXT, read_log
 
+pytestmark = pytest.mark.agents  # `make test-all` (not `make test`)
+
 PROBE = r"""
 import json, socket, sys, urllib.request
 out = {}

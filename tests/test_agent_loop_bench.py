@@ -12,6 +12,8 @@ import transformers
 
 from tiny_models import tiny_model
 
+pytestmark = pytest.mark.bench  # `make test-all` (not `make test`)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

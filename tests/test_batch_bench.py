@@ -10,6 +10,8 @@ import pytest
 import torch
 import transformers as tf
 
+pytestmark = pytest.mark.bench  # `make test-all` (not `make test`)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

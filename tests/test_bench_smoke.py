@@ -1,9 +1,12 @@
 """Smoke test: `benchmarks/tree_ops.py --quick` runs to completion and prints its table."""
 
+import pytest
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.bench  # `make test-all` (not `make test`)
 
 ROOT = Path(__file__).resolve().parent.parent
 

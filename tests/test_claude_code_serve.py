@@ -12,6 +12,7 @@ requests already computed (prompt and reply), in whole blocks, and for the last 
 of its prompt. The missing binary fails these tests (``make agents``); it never skips them.
 """
 
+import pytest
 import json
 import sys
 
@@ -19,6 +20,8 @@ from agent_sandbox import Sandbox, claude_argv, claude_env
 from radixcache.integrations.serve.telemetry.token_log import read_token_log
 from radixcache.tokens import common_prefix
 from serve_helpers import write_model_dir
+
+pytestmark = pytest.mark.agents  # `make test-all` (not `make test`)
 
 BS = 16
 PORT = 8000  # a fresh namespace has every port free

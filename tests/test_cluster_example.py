@@ -4,6 +4,7 @@ request through the router succeeds, the replicas
 publish KV events, and Ctrl-C (SIGINT to the script's process group, as a terminal sends it) stops
 every process it started."""
 
+import pytest
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from serve_helpers import write_model_dir
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from server_process import free_port  # noqa: E402
+
+pytestmark = pytest.mark.cluster  # `make test-all` (not `make test`)
 
 KEY = "sk-example"
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "cluster.sh"

@@ -16,6 +16,7 @@ which for a stateless client means through each reply's history form.
 A missing binary or sandbox fails (``agent_sandbox``), never skips.
 """
 
+import pytest
 import json
 import subprocess
 import sys
@@ -27,6 +28,8 @@ import transformers as tf
 from agent_sandbox import Sandbox, codex_argv, codex_env, codex_home
 from radixcache.integrations.serve.telemetry.token_log import ideal_cached, read_token_log
 from serve_helpers import write_model_dir
+
+pytestmark = pytest.mark.agents  # `make test-all` (not `make test`)
 
 BS = 16
 PORT = 8000

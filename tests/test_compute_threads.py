@@ -32,8 +32,9 @@ def big_matmul():
 
 
 def run(script: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the defaults under test
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(COUNT) + textwrap.dedent(script)],
-                          capture_output=True, text=True, timeout=300, cwd=os.path.dirname(__file__))
+                          capture_output=True, text=True, timeout=300, cwd=os.path.dirname(__file__), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -99,3 +100,33 @@ def test_the_server_loads_serially_and_computes_on_the_scheduler_thread(tmp_path
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_available_cpus_is_the_affinity_capped_by_a_cgroup_quota(tmp_path):
+    from radixcache.compute_threads import available_cpus
+
+    allowed = len(os.sched_getaffinity(0))
+    assert available_cpus(tmp_path) == allowed  # no quota files: the affinity
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert available_cpus(tmp_path) == allowed
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a CPU rounds up to one
+    assert available_cpus(tmp_path) == 1
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")  # cgroup v1: one CPU
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert available_cpus(tmp_path) == 1
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")  # v1's "no quota"
+    assert available_cpus(tmp_path) == allowed
+
+
+@pytest.mark.parametrize("value, expected", [("3", (3, "OMP_NUM_THREADS")), ("0", None), ("two", None),
+                                             (None, None)])
+def test_the_default_thread_count_follows_omp_num_threads_when_it_is_valid(monkeypatch, value, expected):
+    from radixcache.compute_threads import available_cpus, default_threads
+
+    if value is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert default_threads() == (expected or (available_cpus(), "the CPUs this process may use"))

@@ -61,17 +61,18 @@ def test_demo_runs_on_a_tiny_local_model(tiny_model_dir, tmp_path, capsys, monke
     assert expected in printed
     lines = printed.splitlines()
     header = next(i for i, line in enumerate(lines) if "prompt tok" in line)
-    for column in ("prompt tok", "cached tok", "TTFT plain ms", "TTFT cached ms", "speedup", "identical"):
+    for column in ("prompt tok", "cached tok", "TTFT plain ms", "TTFT cached ms", "speedup", "identical",
+                   "DynamicCache reuse identical"):
         assert column in lines[header]
     rows = [line.split() for line in lines[header + 2:header + 5]]
     assert [row[0] for row in rows] == ["1", "2", "3"]
-    assert all(row[-1] == "yes" for row in rows)
+    assert all(row[-2:] == ["yes", "yes"] for row in rows)  # radixcache and the DynamicCache reference
     cached = [int(row[2].replace(",", "")) for row in rows]
     prompts = [int(row[1].replace(",", "")) for row in rows]
     assert cached[0] == 0 and all(c > 0 for c in cached[1:])  # turns 2+ reuse the earlier turns
     assert all(c <= p for c, p in zip(cached, prompts)) and prompts == sorted(prompts)
     total = lines[header + 6].split()
-    assert total[0] == "total" and total[-1] == "3/3"
+    assert total[0] == "total" and total[-2:] == ["3/3", "3/3"]
     assert "streamer" in printed  # the footer says how TTFT is measured
     plot = out_dir / demo.PLOT_NAME
     assert f"plot written to {plot}" in printed
@@ -150,3 +151,38 @@ def test_the_exit_status_is_1_only_for_a_float32_mismatch(capsys):
     assert exit_status([5, 6], torch.bfloat16) == 0
     err = capsys.readouterr().err
     assert "bfloat16" in err and "--dtype float32" in err and "[5, 6]" in err
+
+
+@pytest.mark.slow
+def test_the_openai_agent_example_calls_a_tool_then_reads_its_steps_from_the_cache():
+    """``examples/openai_agent.py`` against ``radixcache serve`` on the embedded model: step 1 is a
+    forced tool call (the grammar extra is installed here), the agent then runs at least one more
+    step, and every step after the first reads its prompt's earlier turns from the cache."""
+    import re
+
+    from radixcache.models import default_model_dir
+    from serve_helpers import ServeProcess
+
+    server = ServeProcess(default_model_dir(), "--max-cache-tokens", "16384", "--threads", "1")
+    try:
+        result = subprocess.run([sys.executable, str(ROOT / "examples" / "openai_agent.py"), "--base-url",
+                                 server.base_url + "/v1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = re.findall(r"step (\d+): (\d+) prompt tokens, (\d+) from the cache", result.stdout)
+    assert len(steps) >= 2, result.stdout
+    assert re.search(r"^  (get_weather|calculator)\(", result.stdout, re.M), result.stdout  # step 1 called a tool
+    assert all(int(cached) > 0 for _, _, cached in steps[1:]), result.stdout
+
+
+def test_a_reply_that_parts_names_the_token_it_parts_at():
+    assert demo.same([1, 2, 3], [1, 2, 3]) == "yes"
+    assert demo.same([1, 9, 3], [1, 2, 3]) == "no @1"
+    assert demo.same([1, 2], [1, 2, 3]) == "no @2"  # a shorter reply parts where it ends
+
+
+def test_a_half_precision_difference_names_the_dynamiccache_reference_too(capsys):
+    assert demo.exit_status([2], torch.bfloat16, reference=[2]) == 0
+    err = capsys.readouterr().err
+    assert "turn(s) [2]" in err and "DynamicCache reuse parts too" in err and "--dtype float32" in err

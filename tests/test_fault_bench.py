@@ -1,10 +1,13 @@
 """The fault campaign and the soak (``benchmarks/faults.py``, ``benchmarks/soak.py``) run, in small
 sizes, to their tables: every fault isolated (0 failed, 0 leaked, 0 wrong), the soak clean."""
 
+import pytest
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.bench  # `make test-all` (not `make test`)
 
 ROOT = Path(__file__).resolve().parent.parent
 

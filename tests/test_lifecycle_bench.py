@@ -1,10 +1,13 @@
 """Smoke tests: `benchmarks/commit.py --quick --store` and `benchmarks/scheduler.py --quick` run to
 completion and print their tables (their numbers are measured, never asserted)."""
 
+import pytest
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.bench  # `make test-all` (not `make test`)
 
 ROOT = Path(__file__).resolve().parent.parent
 

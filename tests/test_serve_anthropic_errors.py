@@ -169,9 +169,9 @@ def test_any_and_tool_force_a_call_that_matches_the_schema(served, choice):
         assert len(calls) == 1
 
 
-def test_server_tools_are_dropped_with_a_log_line_and_tool_choice_without_tools_is_ignored(served, caplog):
+def test_server_tools_are_dropped_with_a_debug_line_and_tool_choice_without_tools_is_ignored(served, caplog):
     web = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
-    with client(served) as c, caplog.at_level(logging.INFO, logger="radixcache.serve"):
+    with client(served) as c, caplog.at_level(logging.DEBUG, logger="radixcache.serve"):
         plain = c.messages.count_tokens(model=MODEL, messages=USER).input_tokens
         dropped = c.messages.count_tokens(model=MODEL, messages=USER, tools=[web]).input_tokens
         body = create(c, tools=[web], tool_choice={"type": "any"}, extra_body=GREEDY)

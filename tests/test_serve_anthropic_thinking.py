@@ -61,6 +61,7 @@ def test_a_returning_turn_with_thinking_off_hits_the_whole_previous_turn(served)
     _, first = ask(server, {"type": "disabled"})
     messages = USER + [{"role": "assistant", "content": first.content[0].text},
                        {"role": "user", "content": "And now goodbye to them, please."}]
+    server.quiet()
     _, second = ask(server, {"type": "disabled"}, messages)
     first_total = first.usage.input_tokens + first.usage.cache_read_input_tokens
     assert second.usage.cache_read_input_tokens >= (first_total + first.usage.output_tokens - 1) // 16 * 16

@@ -2,6 +2,7 @@
 the embedded tokenizer, through the real ``openai`` client; and the radixcache rows with the in-process
 reference and the targets table."""
 
+import pytest
 import importlib.util
 import json
 import sys
@@ -11,6 +12,8 @@ import torch
 import transformers as tf
 
 from serve_helpers import embedded_tokenizer, write_model_dir
+
+pytestmark = pytest.mark.bench  # `make test-all` (not `make test`)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ import pytest
 from radixcache.app.cli import build_parser
 from radixcache.integrations.serve.options import ServeOptions
 from radixcache.integrations.serve.server import build_state
-from serve_helpers import DRIFT_GENERATION_THINK, ServeProcess, write_model_dir
+from serve_helpers import DRIFT_GENERATION_THINK, ServeProcess, free_socket, write_model_dir
 
 
 def parse(*argv) -> argparse.Namespace:
@@ -115,6 +115,62 @@ def test_serve_runs_the_dtype_it_is_given(tmp_path):
                 reply = client.chat.completions.create(model="tiny", max_tokens=3, temperature=0,
                                                        messages=[{"role": "user", "content": "Hi"}])
             assert reply.usage.completion_tokens >= 1
-            assert f"model weights in torch.{dtype} on cpu" in server.output
+            assert f"model: LlamaForCausalLM, {dtype} on cpu" in server.output
         finally:
             server.stop()
+
+
+def test_the_server_says_what_it_runs_and_one_line_per_request(tmp_path):
+    """Issue 31 item 3: a start-up summary (model, dtype, device, threads, pool in tokens and bytes,
+    block size, routes, store, keys) and, at info, one line per request with its cached tokens."""
+    model = write_model_dir(tmp_path / "tiny", weights=True)
+    server = ServeProcess(model, "--max-cache-tokens", "2048", "--dtype", "float32", "--threads", "1",
+                          "--api-key", "k1")
+    try:
+        out = server.output
+        for words in ("serving tiny as tiny on http://127.0.0.1:", "model: LlamaForCausalLM, float32 on cpu, 1 thread",
+                      "KV pool: 2,048 tokens in blocks of 16", "MiB", "store: none", "API keys: 1, each its own tenant",
+                      "routes: POST /v1/chat/completions", "/v1/messages", "/v1/responses"):
+            assert words in out, (words, out)
+        messages = [{"role": "user", "content": "Tell me a story about a very long river in the north. " * 3}]
+        with server.client(api_key="k1") as client:
+            for _ in range(2):
+                client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=messages)
+        server.wait_for_output("4 new", timeout=30)
+        lines = [line for line in server.output.splitlines() if line.startswith("INFO") and "chat chatcmpl-" in line]
+        assert len(lines) == 2, server.output
+        assert "(0 cached)" in lines[0] and "(0 cached)" not in lines[1] and "TTFT" in lines[1]
+        assert "finish length" in lines[1]
+        assert "history form departs" not in server.output  # that one is for --log-level debug
+    finally:
+        server.stop()
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
+    model = write_model_dir(tmp_path / "tiny", weights=True)
+    with free_socket() as busy:
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "radixcache.app.cli", "serve", "--model", str(model),
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert f"127.0.0.1:{port} is in use" in run.stderr and "--port" in run.stderr
+    assert "Loading weights" not in run.stderr + run.stdout and "Traceback" not in run.stderr
+
+
+def test_version_help_and_a_bad_model_without_a_traceback(tmp_path):
+    version = subprocess.run([sys.executable, "-m", "radixcache.app.cli", "--version"], capture_output=True,
+                             text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("radixcache ")
+    helped = subprocess.run([sys.executable, "-m", "radixcache.app.cli", "serve", "--help"], capture_output=True,
+                            text=True, timeout=60)
+    for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models",
+                  "/v1/loads", "/health", "/metrics", "--threads"):
+        assert route in helped.stdout
+    for command in (["serve", "--model", str(tmp_path / "nonexistent")], ["demo", "--model", str(tmp_path / "nonexistent")],
+                    ["demo", "--model", str(tmp_path)]):
+        run = subprocess.run([sys.executable, "-m", "radixcache.app.cli", *command], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode in (1, 2), (command, run.stderr)
+        assert "Traceback" not in run.stderr + run.stdout, (command, run.stderr)
+        assert "nonexistent" in run.stderr or "config.json" in run.stderr or "not a directory" in run.stderr

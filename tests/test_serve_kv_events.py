@@ -61,7 +61,7 @@ def test_serve_publishes_stored_and_removed_blocks(model_dir):
     server = ServeProcess(model_dir, "--dtype", "float32", "--block-size", str(BS), "--max-cache-tokens", "512",
                           "--no-history-precompute", "--kv-events", endpoint, "--kv-events-topic", TOPIC)
     try:
-        assert f"KV events on {endpoint}" in server.output
+        assert f"KV events: {endpoint}" in server.output
         for i in range(20):  # until the subscription is live (a SUB joining late misses what came before)
             complete(server, [300 + i] * 40)
             if sub.socket.poll(500):

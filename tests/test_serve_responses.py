@@ -83,7 +83,7 @@ def test_a_string_input_is_one_user_message_and_usage_counts_the_rendered_prompt
 def test_echoed_items_render_like_the_same_chat_and_hosted_tools_are_dropped(served, client, caplog):
     """Codex's shape: a developer message first, items with ids and statuses, a function call and
     its output; a namespace tool flattened, web_search dropped: the prompt is chat's prompt."""
-    caplog.set_level(logging.INFO, logger="radixcache.serve")
+    caplog.set_level(logging.DEBUG, logger="radixcache.serve")
     items = [{"type": "message", "id": "msg_a", "role": "developer", "content": [{"type": "input_text", "text": "Terse."}]},
              {"type": "message", "id": "msg_b", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
              {"type": "function_call", "status": "completed", "id": "fc_1", "name": "get_weather",

@@ -86,6 +86,7 @@ def test_tool_calls_round_trip_and_the_next_turn_hits_the_conversation(served):
         prompt = served.render(messages, AGENT.TOOLS)
         assert prompt[:len(previous)] == previous
         served.say(messages, "It rains in Berlin, and 17 * 23 is 391.", tools=AGENT.TOOLS)
+        served.quiet()
         answer = client.chat.completions.create(model="tiny-smol", messages=messages, tools=AGENT.TOOLS,
                                                 temperature=0, max_tokens=40)
     assert answer.choices[0].message.content == "It rains in Berlin, and 17 * 23 is 391."

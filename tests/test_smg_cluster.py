@@ -32,6 +32,8 @@ from cluster_sessions import run_sessions  # noqa: E402
 from server_process import ServerProcess, free_port  # noqa: E402
 from smg_cluster import Router, replica_command, served_by  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # `make test-all` (not `make test`)
+
 KEY = "sk-cluster"
 BS = 16
 POOL = 16384

@@ -1,11 +1,14 @@
 """Smoke test: `benchmarks/store.py --quick` runs against its own redis-server and prints its tables."""
 
+import pytest
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 from redis_servers import redis_binary
+
+pytestmark = pytest.mark.bench  # `make test-all` (not `make test`)
 
 ROOT = Path(__file__).resolve().parent.parent
 

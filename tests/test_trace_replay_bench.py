@@ -18,6 +18,8 @@ from benchmarks.traces import (  # noqa: E402
     PAGE_TOKENS, QUICK_AGENT_PARAMS, agent_trace, describe, load_mooncake,
 )
 
+pytestmark = pytest.mark.bench  # `make test-all` (not `make test`)
+
 
 def write_trace(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -7,7 +7,7 @@ prefix) it was "written" for, inserts (sometimes with a partial tail block for i
 block), and releases its references now or later (live holders). Readers match, lock and hold
 blocks without inserting. Evictions and resets happen in between.
 
-After every step the tree's invariants (the README's "Core" section and ``RadixCache``'s
+After every step the tree's invariants (docs/architecture.md's invariants and ``RadixCache``'s
 docstrings) are checked:
 
 1. every block's count == (1 if the tree holds it) + the machine's live references on it;

@@ -2,7 +2,7 @@
 
 It keeps nothing on disk (``--save '' --appendonly no``; its scratch directory holds only its log)
 and allows ``DEBUG`` from loopback clients (``--enable-debug-command local``: the slow-server tests
-use ``DEBUG SLEEP``). Never for production: run Redis as a service there (see the README).
+use ``DEBUG SLEEP``). Never for production: run Redis as a service there (docs/shared-tier.md).
 """
 
 from __future__ import annotations

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="the weights' and the KV cache's dtype (default auto: bfloat16 on CUDA and on CPUs "
                              "with native bf16 matrix units, AMX / AVX512-BF16 / Arm BF16; float32 elsewhere)")
+    parser.add_argument("--threads", type=positive_int, metavar="N", default=None,
+                        help="threads of the model's CPU kernels (default: OMP_NUM_THREADS when set, else the "
+                             "CPUs this process may use, its affinity and cgroup quota)")
     parser.add_argument("--max-cache-tokens", type=positive_int, metavar="N", default=None,
                         help="KV pool size in tokens (default: 25%% of free RAM on CPU, 50%% of free GPU memory)")
     parser.add_argument("--block-size", type=positive_int, metavar="N", default=16,
@@ -110,7 +113,8 @@ class ServeOptions:
     """The server's validated settings (see ``add_arguments`` for each)."""
 
     model: Path | None = None
-    dtype: str = "auto"  # one of radixcache.models.DTYPE_CHOICES; "auto": radixcache.models.default_dtype(device)
+    dtype: str = "auto"
+    threads: int | None = None  # None: radixcache.compute_threads.default_threads()
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     max_cache_tokens: int | None = None
@@ -206,7 +210,8 @@ class ServeOptions:
             log_file = Path(log_file).expanduser()
             if not log_file.parent.is_dir():
                 raise ValueError(f"--log-token-ids {log_file}: no such directory {log_file.parent}")
-        return cls(model=model, dtype=getattr(args, "dtype", "auto"), host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
+        return cls(model=model, dtype=getattr(args, "dtype", "auto"), threads=getattr(args, "threads", None),
+                   host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
                    block_size=args.block_size, chat_template=template,
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
                    share_cache_across_keys=getattr(args, "share_cache_across_keys", False),

@@ -32,15 +32,18 @@ A second signal exits at once (status 128 + the signal), without waiting for any
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 
 import uvicorn
 
+from radixcache import __version__
 from radixcache.integrations.serve.options import ServeOptions
 
 
@@ -87,11 +90,28 @@ class InterruptibleServer(uvicorn.Server):
         os._exit(1)
 
 
-def run(app, state, options) -> None:
-    """Serve ``app`` (for ``state``) on ``options.host:options.port`` until interrupted."""
+def listen(options: ServeOptions) -> socket.socket:
+    """A socket bound to ``--host``:``--port`` and listening, taken before the model loads, so that a
+    port in use is refused at once; ``OSError`` naming the address otherwise."""
+    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((options.host, options.port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        why = "is in use (another server?)" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+        raise OSError(f"{options.host}:{options.port} {why}; pick another with --port") from None
+    return sock
+
+
+def run(app, state, options, sock: socket.socket | None = None) -> None:
+    """Serve ``app`` (for ``state``) on ``sock`` (default: ``options.host:options.port``) until
+    interrupted."""
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                             access_log=False, timeout_graceful_shutdown=GRACE_S)
-    InterruptibleServer(config, state).run()
+    InterruptibleServer(config, state).run(sockets=[sock] if sock is not None else None)
 
 
 def build_state(options: ServeOptions, engine=None):
@@ -117,14 +137,14 @@ def load_engine(options: ServeOptions, info):
     import torch
 
     import radixcache
-    from radixcache.compute_threads import serial_here
+    from radixcache.compute_threads import default_threads, serial_here
     from radixcache.integrations.serve.engine.local import LocalEngine
     from radixcache.models import load_model
 
-    threads = serial_here()
+    serial_here()
+    threads = options.threads or default_threads()[0]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, _ = load_model(options.model, dtype=options.dtype, device=device)
-    logger.info("model weights in %s on %s", model.dtype, device)
     publisher = None
     if options.kv_events is not None:
         from radixcache.kv_events import KVEventPublisher
@@ -138,8 +158,6 @@ def load_engine(options: ServeOptions, info):
         if publisher is not None:
             publisher.close()
         raise
-    if publisher is not None:
-        logger.info("KV events on %s (topic %r)", publisher.endpoint, publisher.topic)
     if lm.engine_unsupported:  # the self-tests ruled the engine out: refuse rather than risk a token
         lm.close()
         raise ValueError(f"{options.model or 'the model'} cannot run on radixcache's engine: "
@@ -173,15 +191,62 @@ def main(args) -> int:
         logger.warning("--isolate-cache-by-key is the default now (each API key is its own tenant); "
                        "the flag does nothing and will go")
     try:
+        sock = listen(options)
+    except OSError as exc:
+        print(f"radixcache serve: {exc}", file=sys.stderr)
+        return 1
+    try:
         state = build_state(options)
         state.attach_engine(load_engine(options, state.info))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
+        sock.close()
         print(f"radixcache serve: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        sock.close()
         print("radixcache serve: interrupted while loading the model", file=sys.stderr)
         return 130
-    logger.info("serving %s as %s on http://%s:%d/v1", state.info.name, ", ".join(state.model_names),
-                options.host, options.port)
-    run(create_app(state), state, options)
+    for line in startup_summary(state, options):
+        logger.info("%s", line)
+    run(create_app(state), state, options, sock)
     return 0
+
+
+def startup_summary(state, options: ServeOptions) -> list[str]:
+    """What the server runs, for the log at start-up: the model, its dtype, device and threads, the
+    pool in tokens and bytes, the block size, the routes, the tenants, the store and the events."""
+    lines = [f"radixcache {__version__} serving {state.info.name} as {', '.join(state.model_names)} "
+             f"on http://{options.host}:{options.port}"]
+    engine = state.engine
+    lm = getattr(engine, "lm", None)
+    if lm is not None:
+        stats = lm.stats()
+        lines.append(f"model: {type(lm.model).__name__}, {str(lm.model.dtype).removeprefix('torch.')} on {lm.device}, "
+                     f"{engine.compute_threads or torch_threads()} thread(s), context {state.info.max_context_tokens:,} "
+                     f"tokens")
+        lines.append(f"KV pool: {stats['capacity_tokens']:,} tokens in blocks of {lm.manager.block_size} "
+                     f"({stats['kv_pool_bytes'] / 2**20:,.0f} MiB, {stats['kv_bytes_per_token']:,} B per token; "
+                     f"--max-cache-tokens sets it), {lm.backend.name} attention")
+        store = lm.manager.store
+        lines.append("store: " + ("none" if store is None else f"{store!r}, "
+                                  + ("blocks sealed with a MAC" if getattr(store, "sealed", False)
+                                     else "no secret: it trusts its Redis")))
+        events = lm.manager.events
+        if events is not None:
+            lines.append(f"KV events: {events.endpoint} (topic {events.topic!r})")
+    keys = len(options.api_keys)
+    lines.append("API keys: " + ("none (anyone who reaches the port may use it)" if not keys else
+                                 f"{keys}, " + ("sharing one cache" if options.share_cache_across_keys
+                                                else "each its own tenant")))
+    lines.append("routes: POST /v1/chat/completions /v1/completions /v1/responses /v1/messages "
+                 "/v1/messages/count_tokens; GET /v1/models /v1/loads /v1/responses/{id} /health /metrics "
+                 "/openapi.json")
+    lines.append("one line per request at info: protocol, prompt (cached) and new tokens, TTFT, decode rate, "
+                 "finish; --log-level debug for more")
+    return lines
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

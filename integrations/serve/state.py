@@ -144,7 +144,7 @@ class ServerState:
         try:
             stream = self.engine.submit(request)
         except (EngineOverloaded, ValueError) as exc:
-            logger.info("history precompute %s not submitted: %s", request.request_id, exc)
+            logger.debug("history precompute %s not submitted: %s", request.request_id, exc)
             return False
         self.metrics.observe_precompute(len(request.prompt))
         self.spawn(self._drain(request.request_id, stream, on_done))

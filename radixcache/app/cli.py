@@ -6,7 +6,7 @@ import argparse
 import re
 import sys
 
-from radixcache import models
+from radixcache import __version__, models
 from radixcache.app import kv_size, kv_size_table
 from radixcache.args import positive_int
 
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="radixcache",
                                      description="Prefix caching for Hugging Face causal LMs.")
+    parser.add_argument("--version", action="version", version=f"radixcache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     kv = commands.add_parser("kv-size", help="KV-cache bytes per token, per sequence and per batch",
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--turns", type=positive_int, default=6, metavar="N",
                       help="conversation turns (default 6)")
     demo.add_argument("--out", default="out/", metavar="DIR", help="output directory (default out/)")
+    demo.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                      help="torch threads (default: OMP_NUM_THREADS when set, else the CPUs this process may use, "
+                           "its affinity and cgroup quota)")
     demo.add_argument("--dtype", choices=models.DTYPE_CHOICES, default="auto",
                       help="the model's dtype, both sides (default auto: bfloat16 on CPUs with native bf16 "
                            "matrix units, AMX / AVX512-BF16 / Arm BF16, and on CUDA; float32 elsewhere)")
@@ -110,18 +114,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     from radixcache.integrations.serve import options as serve_options
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible server",
-                                description="Serve a model over an OpenAI-compatible HTTP API "
-                                            "(/v1/chat/completions, /v1/completions, /v1/models, "
-                                            "/health, /metrics).")
+    serve = commands.add_parser(
+        "serve", help="run the OpenAI- and Anthropic-compatible server",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a model over HTTP with a radix cache under every request.\n\nroutes:\n"
+                    "  POST /v1/chat/completions   OpenAI chat completions (tools, structured output, streams)\n"
+                    "  POST /v1/completions        OpenAI completions (text or token ids)\n"
+                    "  POST /v1/responses          OpenAI Responses; GET / DELETE /v1/responses/{id}\n"
+                    "  POST /v1/messages           Anthropic Messages (Claude Code); POST /v1/messages/count_tokens\n"
+                    "  GET  /v1/models, /v1/loads  the served models; the load SGLang's model gateway polls\n"
+                    "  GET  /health, /metrics      liveness; Prometheus metrics (vLLM's names too)\n"
+                    "  GET  /openapi.json          every request body's schema")
     serve_options.add_arguments(serve)
     serve.set_defaults(handler=_serve)
     return parser
 
 
 def _serve(args) -> int:
-    from radixcache.integrations.serve.server import main as serve_main
-
+    try:
+        from radixcache.integrations.serve.server import main as serve_main
+    except ModuleNotFoundError as exc:
+        print(f"radixcache serve needs {exc.name}: pip install '.[serve]' in a clone of radixcache "
+              f"(or pip install {exc.name})", file=sys.stderr)
+        return 1
     return serve_main(args)
 
 
@@ -170,7 +185,8 @@ def _demo(args) -> int:
             raise
         print("radixcache: the demo is not available in this version", file=sys.stderr)
         return 1
-    demo_args = argparse.Namespace(model=args.model, turns=args.turns, out=args.out, dtype=args.dtype)
+    demo_args = argparse.Namespace(model=args.model, turns=args.turns, out=args.out, dtype=args.dtype,
+                                   threads=args.threads)
     result = demo_main(demo_args)
     return result if isinstance(result, int) else 0
 

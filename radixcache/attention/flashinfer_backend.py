@@ -212,7 +212,7 @@ class FlashInferBackend:
             import flashinfer
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise CacheError("attention='flashinfer' needs flashinfer-python: "
-                             "pip install 'radixcache[gpu]'") from e
+                             "pip install flashinfer-python (radixcache's [gpu] extra)") from e
         self._flashinfer = flashinfer
         self.device = device
         self.kernel_backend = kernel_backend

@@ -30,7 +30,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None =
         if device.type != "cuda":
             raise CacheError("attention='flashinfer' needs the model on a CUDA device")
         if not has_flashinfer:
-            raise CacheError("attention='flashinfer' needs flashinfer-python: pip install 'radixcache[gpu]'")
+            raise CacheError("attention='flashinfer' needs flashinfer-python: pip install flashinfer-python (radixcache's [gpu] extra)")
         from radixcache.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(device)

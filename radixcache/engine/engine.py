@@ -65,6 +65,7 @@ def pack_batch(batch) -> tuple[list, list, list, list]:
 
 
 logger = logging.getLogger("radixcache.engine")
+OUTGREW_POOL = "the sequence outgrew the whole KV pool (raise max_cache_tokens / --max-cache-tokens)"
 
 
 class Engine:
@@ -178,7 +179,7 @@ class Engine:
                 sched.admit()
                 batch, too_long = sched.schedule_step()
                 for seq in too_long:
-                    events.extend(self._finish(seq, FINISH_LENGTH, None))
+                    events.extend(self._finish(seq, FINISH_LENGTH, None, note=OUTGREW_POOL))
                 used = self.manager.allocator.num_blocks - self.manager.allocator.num_free
                 self.metrics.peak_used_blocks = max(self.metrics.peak_used_blocks, used)
             if batch:
@@ -414,7 +415,9 @@ class Engine:
         leader.fork = 1
         return self.scheduler.fork(leader, children)
 
-    def _finish(self, seq: Sequence, reason: str, token, logprobs=None, error=None) -> list[Event]:
+    def _finish(self, seq: Sequence, reason: str, token, logprobs=None, error=None, note=None) -> list[Event]:
+        """End ``seq`` with ``reason``: its final event carries ``token`` and ``error`` (a failure:
+        no retention hint) or ``note`` (why a "length" came early)."""
         if error is not None:
             self.last_error = RuntimeError(error)
         self.scheduler.finish(seq, retain=error is None)
@@ -424,4 +427,4 @@ class Engine:
         n = live.request.num_samples
         if len(live.finished) == n:
             self._forget(request_id)
-        return [Event(request_id, seq.sample, token, True, reason, live.cached_tokens, error, logprobs)]
+        return [Event(request_id, seq.sample, token, True, reason, live.cached_tokens, error or note, logprobs)]

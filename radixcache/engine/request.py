@@ -205,7 +205,8 @@ class Event(NamedTuple):
     ``finished`` and ``finish_reason`` (one of ``FINISH_REASONS``, None while running) end the
     sample; ``cached_tokens`` is how many prompt tokens of the request were served from the cache
     at its first admission (``usage.prompt_tokens_details.cached_tokens``); ``error`` describes the
-    failure of an ``"error"`` event; ``logprobs`` is the token's ``TokenLogprobs`` when the request
+    failure of an ``"error"`` event, or why a ``"length"`` came before ``max_new_tokens`` (the
+    sequence outgrew the pool); ``logprobs`` is the token's ``TokenLogprobs`` when the request
     asked for them (``SamplingParams.logprobs``), else None.
     """
 

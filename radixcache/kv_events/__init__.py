@@ -4,7 +4,7 @@
 (``radixcache.kv_events.publisher``, ``radixcache.kv_events.translate``); ``CacheManager.use_events``
 (or ``radixcache.wrap(model, kv_events=...)``) routes a tree's changes to it through a
 ``BlockEventLog`` (``radixcache.kv_events.log``). pyzmq and msgpack are needed only to publish
-(``pip install 'radixcache[events]'``).
+(``pip install pyzmq msgpack``, radixcache's ``[events]`` extra).
 """
 
 from radixcache.kv_events.log import BlockEventLog

@@ -30,7 +30,7 @@ from radixcache.kv_events.log import BlockEventLog
 from radixcache.kv_events.translate import EventTranslator
 
 logger = logging.getLogger("radixcache")
-_INSTALL = "KV events need pyzmq and msgpack: pip install 'radixcache[events]'"
+_INSTALL = "KV events need pyzmq and msgpack: pip install pyzmq msgpack (radixcache's [events] extra)"
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")

@@ -144,7 +144,7 @@ class LocalEngine:
                                     self.manager.allocator.num_blocks * self.manager.block_size,
                                     self.manager.block_size)
         self._close_lm = close_lm
-        self._compute_threads = compute_threads
+        self.compute_threads = compute_threads
         self._routes: dict = {}  # request_id -> Route
         self._lock = threading.Lock()  # guards _routes and every route's open/added/aborted
         self._wake = threading.Condition()
@@ -313,8 +313,8 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ the scheduler thread
     def _run(self) -> None:
-        if self._compute_threads is not None:
-            parallel_here(self._compute_threads)
+        if self.compute_threads is not None:
+            parallel_here(self.compute_threads)
         engine = self.engine
         while True:
             if not engine.has_work:

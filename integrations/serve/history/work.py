@@ -41,7 +41,7 @@ async def precompute_history(state, job, generated_ids, reply: dict) -> None:
         return
     if history.divergence is not None:
         state.metrics.observe_divergence(history.divergence.reason)
-        logger.info("request %s: history form departs from the computed tokens at token %d (%s): %s",
+        logger.debug("request %s: history form departs from the computed tokens at token %d (%s): %s",
                     job.request_id, history.divergence.token_index, history.divergence.reason,
                     history.divergence.detail)
     def remember(computed):

@@ -109,6 +109,9 @@ class Generation:
         self.choices = self.samples * job.choices if job.fanout else self.samples
         self.cached_tokens = 0
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.ended_early: str | None = None  # why the request ended before every choice finished
+        self.notes: list = []  # what the engine said about a finish (a "length" cut by the pool)
         self._stream = None
 
     @property
@@ -150,9 +153,13 @@ class Generation:
                         self.state.engine.abort(self.request_id, event.sample)
                     reason = "stop"
                 if reason == "error":
+                    self.ended_early = f"error: {event.error or 'engine error'}"
                     raise internal(f"generation failed: {event.error or 'engine error'}")
                 if reason == "abort":
+                    self.ended_early = "shutting down" if self.state.stopping else "aborted by the engine"
                     raise self._aborted()
+                if event.error is not None and reason is not None:
+                    self.notes.append(event.error)
                 indices = range(self.job.choices) if self.job.fanout else (event.sample,)
                 if reason is None:
                     if text:
@@ -179,12 +186,36 @@ class Generation:
 
     def close(self) -> None:
         """End the request: abort it in the engine unless every choice finished (the client went
-        away, or an error), and give the admission slot back. Idempotent."""
+        away, or an error), and give the admission slot back; the request's log line (info) goes
+        out once. Idempotent."""
         if self._stream is not None and not self.finished:
             self.state.engine.abort(self.request_id)
+            self.ended_early = self.ended_early or "the client went away"
         if not self.slot.released:
             self._log_tokens()
+            self._log_request()
         self.slot.release()
+
+    def _log_request(self) -> None:
+        """One line per request: protocol and id, prompt / cached / new tokens, TTFT, decode rate,
+        finish reasons, and why it ended early or was cut."""
+        if self._stream is None:
+            return
+        job, tokens = self.job, self.completion_tokens
+        parts = [f"{job.protocol} {self.request_id}: prompt {len(job.prompt_ids)} ({self.cached_tokens} cached), "
+                 f"{tokens} new"]
+        if self.first_token_at is not None:
+            parts.append(f"TTFT {(self.first_token_at - job.arrival) * 1e3:.0f} ms")
+            span = (self.last_token_at or self.first_token_at) - self.first_token_at
+            if tokens > 1 and span > 0:
+                parts.append(f"{(tokens - 1) / span:.1f} tok/s")
+        finishes = sorted({s.finish for s in self.samples if s.finish is not None})
+        if finishes:
+            parts.append("finish " + "/".join(finishes))
+        if self.ended_early:
+            parts.append(f"ended early: {self.ended_early}")
+        parts.extend(dict.fromkeys(self.notes))
+        logger.info("%s", ", ".join(parts))
 
     # ------------------------------------------------------------------ bookkeeping
     def _log_tokens(self) -> None:
@@ -204,6 +235,7 @@ class Generation:
 
     def _timed(self, sample: Sample) -> None:
         t = time.perf_counter()
+        self.last_token_at = t
         if self.first_token_at is None:
             self.first_token_at = t
             self.state.metrics.observe_first_token(t - self.job.arrival)
@@ -227,8 +259,8 @@ class Generation:
         short = classify_hit(previous, job.prompt_ids, cached_tokens, self.state.limits.block_size, computed)
         if short is not None:
             self.state.metrics.observe_short_hit(short.reason, short.expected_tokens - short.cached_tokens)
-            logger.info("request %s: cache hit of %d tokens stopped short of the previous turn's %d (%s)",
-                        self.request_id, short.cached_tokens, short.expected_tokens, short.reason)
+            self.notes.append(f"the hit stopped short of the previous turn's {short.expected_tokens} tokens "
+                              f"({short.reason})")
 
     def _finished(self) -> None:
         job, first = self.job, self.samples[0]

@@ -138,7 +138,7 @@ def function_tools(tools) -> list[dict] | None:
     out = []
     for tool in tools or ():
         if not tool.custom:
-            logger.info("dropping server tool %r (type %s): this server runs no server tools", tool.name, tool.type)
+            logger.debug("dropping server tool %r (type %s): this server runs no server tools", tool.name, tool.type)
             continue
         function = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:

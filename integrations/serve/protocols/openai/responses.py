@@ -167,7 +167,7 @@ def _report_anew(state, req, stored, prompt_ids, why: str) -> None:
     expected = (len(stored.token_ids) - 1) // block * block
     missed = max(0, expected - kept // block * block)
     state.metrics.observe_short_hit(RENDERED_ANEW, missed)
-    logger.info("responses: previous_response_id %s rendered anew (%s): %d of its %d stored tokens kept",
+    logger.debug("responses: previous_response_id %s rendered anew (%s): %d of its %d stored tokens kept",
                 req.previous_response_id, why, kept, len(stored.token_ids))
 
 

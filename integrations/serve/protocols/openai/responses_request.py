@@ -237,7 +237,7 @@ def function_tools(tools: list) -> tuple[list, dict]:
             entries = [(t, tool.get("name"), f"tools.{i}.tools.{j}") for j, t in enumerate(inner)
                        if isinstance(t, dict) and t.get("type", "function") == "function"]
         elif isinstance(kind, str):
-            logger.info("responses: dropped hosted tool %r (this server cannot run it)", kind)
+            logger.debug("responses: dropped hosted tool %r (this server cannot run it)", kind)
             continue
         else:
             raise ValueError(f"tools.{i}: a tool needs a type")
