@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import time
@@ -27,7 +26,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.measure import random_ids, timed_generate  # noqa: E402
-from benchmarks.report import fmt, median, met, table  # noqa: E402
+from benchmarks.report import cpu_name, fmt, median, met, table  # noqa: E402
 
 COLD_TARGET = 1.03  # lm.generate / model.generate on a miss, at most
 DECODE_TARGET = 1.0  # lm.generate's decode rate / model.generate's, at least
@@ -130,7 +129,7 @@ def main(argv=None, load=None) -> int:
             print(f"  {dtype} {context}: done", file=sys.stderr)
         lm.close()
     print(f"cold prompt and decode, lm.generate against model.generate; {args.threads} torch thread(s), "
-          f"{args.reps} repetitions, medians; {platform.processor() or platform.machine()}, "
+          f"{args.reps} repetitions, medians; {cpu_name()}, "
           f"torch {torch.__version__}")
     print(render(rows))
     if args.json:

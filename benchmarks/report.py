@@ -59,3 +59,17 @@ def met(value, target, below: bool = True) -> str:
     if value is None:
         return "-"
     return "yes" if (value <= target if below else value >= target) else "NO"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the machine type where there is none."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

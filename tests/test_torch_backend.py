@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixcache.attention.plan import Segment, StepPlan
-from radixcache.attention.torch_backend import TorchBackend
+from radixcache.attention.torch_backend import TorchBackend, TorchStepState
 from radixcache.kv.pool import KVPool
 
 
@@ -71,6 +71,60 @@ def test_backend_matches_naive_reference(seed, shared, tails, prefills, window, 
     prefills = [(min(q, kv), kv) for q, kv in prefills]
     pool, segments, query = build(seed, shared, tails, prefills)
     check(pool, segments, query, sliding_window=window, softcap=softcap)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), tails=st.lists(st.integers(1, 9), max_size=3),
+       prefills=st.lists(st.tuples(st.integers(2, 20), st.booleans()), min_size=1, max_size=3),
+       window=st.sampled_from([None, 3, 64]), softcap=st.sampled_from([None, 5.0]))
+def test_a_prompt_with_nothing_before_it_attends_over_what_it_wrote(seed, tails, prefills, window,
+                                                                     softcap):
+    """A step whose K/V went in through ``StepPlan.write``: a prefill with nothing cached before
+    it (fresh) reads the K/V it was handed instead of the pool, one over a cached prefix reads the
+    pool; both equal the reference over what the pool holds after the write."""
+    shapes = [(n, n if fresh else n + 5) for n, fresh in prefills]
+    pool, segments, _ = build(seed, 0, tails, shapes)
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = segments[-1].q_start + segments[-1].q_len
+    query = torch.randn(tokens, 4, 8, generator=g)
+    plan = StepPlan(pool, segments, TorchBackend())
+    plan.write(0, torch.randn(tokens, 2, 8, generator=g), torch.randn(tokens, 2, 8, generator=g))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        gathered = spy_prefill_gathers(monkeypatch)
+        out = TorchBackend().attend(0, query, plan, 0.35, sliding_window=window, softcap=softcap)
+    for index, (_, seg) in enumerate(plan.backend_state.prefills):
+        assert (index in gathered) == (seg.kv_len > seg.q_len), seg  # only a cached prefix is read
+    for seg in segments:
+        keys, values = pool.read(0, pool.rows_for(seg.blocks, 0, seg.kv_len))
+        for i in range(seg.q_len):
+            want = naive(query[seg.q_start + i], keys, values, seg.kv_len - seg.q_len + i, 0.35,
+                         sliding_window=window, softcap=softcap)
+            assert torch.allclose(out[seg.q_start + i], want, atol=2e-5), (seg, i)
+
+
+def spy_prefill_gathers(monkeypatch) -> list:
+    """The prefill indices whose context the torch backend gathers from the pool, from now on."""
+    gathered = []
+    real = TorchStepState.prefill_context
+
+    def spy(state, index):
+        gathered.append(index)
+        return real(state, index)
+
+    monkeypatch.setattr(TorchStepState, "prefill_context", spy)
+    return gathered
+
+
+def test_an_fp8_pool_attends_over_what_it_stored_not_what_it_was_handed(monkeypatch):
+    """In an fp8 pool the stored K/V differ from the computed ones: a fresh prompt reads the pool,
+    as its later turns will."""
+    pool, segments, _ = build(3, 0, [], [(6, 6)], kv_dtype="fp8")
+    plan = StepPlan(pool, segments, TorchBackend())
+    plan.write(0, torch.randn(6, 2, 8), torch.randn(6, 2, 8))
+    assert plan.written(0) is None
+    gathered = spy_prefill_gathers(monkeypatch)
+    TorchBackend().attend(0, torch.randn(6, 4, 8), plan, 0.35)
+    assert gathered == [0]
 
 
 def poison_unwritten(pool, segments):

@@ -107,12 +107,25 @@ class StepPlan:
                 (self.kv_lens - q_lens)[seq]
             self.write_rows = pool.rows(self.block_table, seq, pos)
         self.write_slots = pool.slots(self.write_rows).reshape(-1)
+        self._written = None  # (layer, keys, values) of the last write
         self.backend_state = backend.plan(self)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the step's new ``keys`` (``[num_tokens, kv_heads, head_dim]``) and ``values``
-        (``[num_tokens, kv_heads, head_dim_v]``) of ``layer``, packed order, into the pool."""
+        (``[num_tokens, kv_heads, head_dim_v]``) of ``layer``, packed order, into the pool. Until
+        the next ``write`` they are also ``written(layer)``: a segment with nothing before it
+        can attend over them as they are, without reading the pool."""
         self.pool.write(layer, self.write_rows, keys, values, slots=self.write_slots)
+        self._written = (layer, keys, values)
+
+    def written(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The new ``(keys, values)`` of ``layer`` as ``write`` was handed them (packed order, the
+        compute dtype), when they are exactly what the pool now holds for them (a pool stored in
+        the compute dtype) and ``layer`` was the last one written; else None."""
+        written = self._written
+        if written is None or written[0] != layer or self.pool.storage_dtype != written[1].dtype:
+            return None
+        return written[1], written[2]
 
     def attend(self, layer: int, query: torch.Tensor, scale: float, sliding_window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:

@@ -8,7 +8,9 @@ fastest: the same copy a ``DynamicCache`` makes when it concatenates. A partly w
 gathered whole and its unwritten slots inside the context are zeroed (stale bytes, possibly NaN,
 never reach attention). All gather indices of a step are computed on the device from the plan's
 block table, once per step (``TorchStepState``), and every layer reuses them; nothing reads a
-device value back to the host. Decodes that share whole blocks (a system prompt) read them once per
+device value back to the host. A prompt with nothing cached before it reads no pool at all: it
+attends over the K/V the layer just computed with SDPA's causal kernel, as plain transformers
+does (``StepPlan.written``; not for an fp8 pool, whose stored K/V differ). Decodes that share whole blocks (a system prompt) read them once per
 layer and merge with their own tails by log-sum-exp (cascade); on CPU both halves run on torch's
 fused flash kernel in the model's dtype (``attend_with_lse``).
 """
@@ -101,7 +103,9 @@ class Context:
 class TorchStepState:
     """The torch backend's gather plans for one step (device tensors, from the plan's table).
 
-    ``prefills``: (segment, ``Context`` of its whole K/V) of every multi-token segment. The
+    ``prefills``: (index in the step, segment) of every multi-token segment, and
+    ``prefill_context(i)``, the ``Context`` of prefill i's whole K/V, built on first use (a
+    prefill with nothing before it attends over the K/V it was handed, ``StepPlan.written``). The
     single-token (decode) segments are served together: ``decode_q`` (their packed offsets; None
     when every segment decodes, segment i at packed row i), ``decode_lens`` (their KV lengths;
     ``max_decode_len`` on the host, and ``same_lengths``: all of them equal), ``shared_len`` (tokens of the leading whole blocks every
@@ -114,14 +118,10 @@ class TorchStepState:
     def __init__(self, step: StepPlan):
         pool = self.pool = step.pool
         device = pool.device
-        self.table = table = step.block_table
+        self.table = step.block_table
+        self.kv_lens = step.kv_lens
         segments = step.segments
-        self.prefills = []
-        for i, s in enumerate(segments):
-            if s.q_len > 1:
-                one = torch.full((1,), i, device=device)
-                self.prefills.append((s, Context(pool, table, one, step.kv_lens[one], 0, s.kv_len,
-                                                 equal_lengths=True)))
+        self.prefills = [(i, s) for i, s in enumerate(segments) if s.q_len > 1]
         index = [i for i, s in enumerate(segments) if s.q_len == 1]
         decodes = [segments[i] for i in index]
         self.num_decodes = n = len(decodes)
@@ -141,6 +141,16 @@ class TorchStepState:
         self.decode_lens = step.kv_lens[self.decode_seq]
         self._contexts: dict = {}
         self._masks: dict = {}
+
+    def prefill_context(self, index: int) -> Context:
+        """The ``Context`` of prefill segment ``index``'s whole K/V, built on first use."""
+        key = ("prefill", index)
+        if key not in self._contexts:
+            i, seg = self.prefills[index]
+            one = torch.full((1,), i, device=self.table.device)
+            self._contexts[key] = Context(self.pool, self.table, one, self.kv_lens[one], 0,
+                                          seg.kv_len, equal_lengths=True)
+        return self._contexts[key]
 
     def context(self, start: int) -> Context:
         """The decodes' ``Context`` from position ``start`` (0 or ``shared_len``) to their ends."""
@@ -163,7 +173,7 @@ class TorchStepState:
         bool for None)."""
         key = ("prefill", index, sliding_window, dtype)
         if key not in self._masks:
-            seg, context = self.prefills[index]
+            _, seg = self.prefills[index]
             pos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=self.table.device)
             mask = causal_mask(pos, seg.kv_len, seg.kv_len, sliding_window)[None, None]
             self._masks[key] = _as(mask, dtype)
@@ -208,12 +218,18 @@ class TorchBackend:
             return self._decode(layer, query, pool, state, scale, sliding_window, softcap)
         out = query.new_empty(*query.shape[:2], pool.head_dim_v)
         mask_dtype = None if softcap else query.dtype
-        for i, (seg, context) in enumerate(state.prefills):
-            k, v = context.read(pool, layer)
-            q = query[seg.q_start:seg.q_start + seg.q_len]
-            o = attend_dense(q.transpose(0, 1)[None], k, v,
-                             state.prefill_mask(i, sliding_window, mask_dtype), scale, softcap)
-            out[seg.q_start:seg.q_start + seg.q_len] = o[0].transpose(0, 1)
+        written = plan.written(layer)
+        for i, (_, seg) in enumerate(state.prefills):
+            rows = slice(seg.q_start, seg.q_start + seg.q_len)
+            q = query[rows].transpose(0, 1)[None]
+            if written is not None and seg.kv_len == seg.q_len:
+                o = _attend_fresh(q, written[0][rows], written[1][rows], scale, sliding_window, softcap,
+                                  lambda: state.prefill_mask(i, sliding_window, mask_dtype))
+            else:
+                k, v = state.prefill_context(i).read(pool, layer)
+                o = attend_dense(q, k, v, state.prefill_mask(i, sliding_window, mask_dtype), scale,
+                                 softcap)
+            out[rows] = o[0].transpose(0, 1)
         if state.num_decodes:
             out[state.decode_q] = self._decode(layer, query[state.decode_q], pool, state, scale,
                                                sliding_window, softcap)
@@ -255,6 +271,17 @@ class TorchBackend:
         out_s, lse_s = out_s.reshape(s, heads, dim_v).float(), lse_s.reshape(s, heads)
         share = torch.sigmoid(lse_p - lse_s)[..., None]  # the prefix's share of the softmax mass
         return torch.lerp(out_s, out_p.float(), share).to(q.dtype)
+
+
+def _attend_fresh(q, keys, values, scale, sliding_window, softcap, mask):
+    """A prompt with nothing before it (``q [1, H, n, d]``) over its own new ``keys`` and
+    ``values`` (``[n, kv_heads, d]``, as computed): what plain transformers computes, causal
+    without a mask when no window cuts it (SDPA's fused causal kernel), else with ``mask()``."""
+    k, v = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    if softcap or (sliding_window and sliding_window < q.shape[2]):
+        return attend_dense(q, k, v, mask(), scale, softcap)
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
 
 
 def attend_with_lse(q, k, v, mask, scale):
