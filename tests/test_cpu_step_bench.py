@@ -38,3 +38,22 @@ def test_cpu_step_prints_its_table_and_the_sides_agree(tmp_path, capsys):
     for row in rows:
         assert row["same"] == row["calls"] == 4  # float32: every timed call's tokens are equal
         assert row["cold_plain_s"] > 0 and row["decode_radixcache_tps"] > 0
+
+
+def test_cpu_step_times_the_server_beside_lm_generate(tmp_path, capsys):
+    from serve_helpers import write_model_dir
+
+    bench = load_bench()
+    model_dir = write_model_dir(tmp_path / "model", weights=True)
+    threads = torch.get_num_threads()
+    out = tmp_path / "rows.json"
+    try:
+        status = bench.main(["--model", str(model_dir), "--dtypes", "float32", "--contexts", "40",
+                             "--new", "4", "--reps", "2", "--serve", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert status == 0
+    assert "decode server tok/s" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())
+    assert len(row["decode_server_all"]) == 2  # one streamed decode per repetition
+    assert all(rate is not None and rate > 0 for rate in row["decode_server_all"])  # seeded: no early EOS

@@ -10,9 +10,10 @@ never reach attention). All gather indices of a step are computed on the device 
 block table, once per step (``TorchStepState``), and every layer reuses them; nothing reads a
 device value back to the host. A prompt with nothing cached before it reads no pool at all: it
 attends over the K/V the layer just computed with SDPA's causal kernel, as plain transformers
-does (``StepPlan.written``; not for an fp8 pool, whose stored K/V differ). Decodes that share whole blocks (a system prompt) read them once per
-layer and merge with their own tails by log-sum-exp (cascade); on CPU both halves run on torch's
-fused flash kernel in the model's dtype (``attend_with_lse``).
+does (``StepPlan.written``; not for an fp8 pool, whose stored K/V differ). Decodes that share
+whole blocks (a system prompt) read them once per layer and merge with their own tails by
+log-sum-exp (cascade); on CPU both halves run on torch's fused flash kernel in the model's dtype
+(``attend_with_lse``).
 """
 
 from __future__ import annotations
