@@ -13,7 +13,9 @@ Every timed call's tokens are compared between the two sides (in float32 they mu
 ``--serve`` adds a third side to the decode: ``radixcache serve`` as a subprocess (same model, dtype
 and threads, idle while the others run), the same prompt sent once untimed and then streamed
 through ``/v1/completions`` as token ids; its rate from the first streamed token to the last
-(a reply cut short by EOS is left out), beside ``lm.generate``'s.
+(a reply cut short by EOS is left out), beside ``lm.generate``'s; ``--compile`` and ``--quantize
+int8`` start it with those options (its engine's step compiled at start-up; its weights int8, the
+in-process sides' not: the ratio is then what the configuration buys).
 ``python benchmarks/cpu_step.py [--dtypes float32 bfloat16] [--contexts 1500 3000] [--threads 1] [--serve]``.
 """
 
@@ -137,7 +139,8 @@ def render(rows: list[dict]) -> str:
     return table(header, body, left=(0,))
 
 
-def start_server(model_dir, dtype: str, threads: int, max_cache_tokens: int, log_dir: Path):
+def start_server(model_dir, dtype: str, threads: int, max_cache_tokens: int, log_dir: Path,
+                 compile: bool = False, quantize: str | None = None):
     """``radixcache serve`` on a free loopback port with this run's model, dtype and threads."""
     from benchmarks.server_process import ServerProcess, free_port
 
@@ -147,7 +150,11 @@ def start_server(model_dir, dtype: str, threads: int, max_cache_tokens: int, log
                "--max-cache-tokens", str(max_cache_tokens), "--log-level", "warning"]
     if model_dir is not None:
         command += ["--model", str(model_dir)]
-    return ServerProcess("radixcache", command, log_dir, startup_s=300)
+    if compile:
+        command.append("--compile")
+    if quantize:
+        command += ["--quantize", quantize]
+    return ServerProcess("radixcache", command, log_dir, startup_s=900 if compile else 300)
 
 
 def main(argv=None, load=None) -> int:
@@ -162,6 +169,8 @@ def main(argv=None, load=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve", action="store_true",
                         help="also time the decode through radixcache serve (a subprocess)")
+    parser.add_argument("--compile", action="store_true", help="start the server with --compile")
+    parser.add_argument("--quantize", choices=("int8",), default=None, help="start the server with --quantize")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
 
@@ -182,7 +191,8 @@ def main(argv=None, load=None) -> int:
         server = None
         if args.serve:
             server = start_server(args.model, dtype, args.threads, pool_tokens,
-                                  Path(tempfile.mkdtemp(prefix="cpu_step_")))
+                                  Path(tempfile.mkdtemp(prefix="cpu_step_")), compile=args.compile,
+                                  quantize=args.quantize)
         try:
             for context in args.contexts:
                 rows.append(measure(model, lm, dtype, context, args.new, args.reps, args.seed, server))
@@ -191,7 +201,10 @@ def main(argv=None, load=None) -> int:
             if server is not None:
                 server.stop()
             lm.close()
-    print(f"cold prompt and decode, lm.generate against model.generate; {args.threads} torch thread(s), "
+    flags = " ".join(flag for flag, on in (("--compile", args.compile), (f"--quantize {args.quantize}", args.quantize))
+                     if on)
+    served = f" (the server with {flags})" if args.serve and flags else ""
+    print(f"cold prompt and decode, lm.generate against model.generate{served}; {args.threads} torch thread(s), "
           f"{args.reps} repetitions, medians; {cpu_name()}, "
           f"torch {torch.__version__}")
     print(render(rows))

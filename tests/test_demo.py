@@ -49,6 +49,20 @@ def tiny_model_dir(request, tmp_path):
     return path, request.param
 
 
+def test_demo_quantize_prints_the_agreement_and_both_sides_stay_identical(tiny_model_dir, tmp_path, capsys,
+                                                                           monkeypatch):
+    pytest.importorskip("torchao")  # in the dev extra
+    path, _ = tiny_model_dir
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    args = argparse.Namespace(model=str(path), turns=2, out=str(tmp_path / "out"), system_tokens=120,
+                              max_new_tokens=6, quantize="int8", dtype="float32")
+    assert demo.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "quantize: int8 weight-only" in printed and "(both sides)" in printed
+    total = next(line for line in printed.splitlines() if line.startswith("total")).split()
+    assert total[-2:] == ["2/2", "2/2"]  # the quantized model, plain and cached alike
+
+
 def test_demo_runs_on_a_tiny_local_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
     path, kind = tiny_model_dir
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # leave torch threads be

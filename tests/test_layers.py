@@ -28,7 +28,7 @@ LAYERS = [
     ["radixcache.lifecycle", "radixcache.attention", "radixcache.kv_events"],
     ["radixcache.kv"],
     ["radixcache.store", "radixcache.tree"],
-    ["radixcache.blocks", "radixcache.tokens", "radixcache.models", "radixcache.compute_threads",
+    ["radixcache.blocks", "radixcache.tokens", "radixcache.models", "radixcache.quantize", "radixcache.compute_threads",
      "radixcache.args", "radixcache.table"],
     ["radixcache.errors"],
 ]

@@ -1,6 +1,7 @@
 """``radixcache serve`` as a user runs it: options, a real process on a free port, a clean stop."""
 
 import argparse
+import re
 import signal
 import subprocess
 import sys
@@ -174,3 +175,41 @@ def test_version_help_and_a_bad_model_without_a_traceback(tmp_path):
         assert run.returncode in (1, 2), (command, run.stderr)
         assert "Traceback" not in run.stderr + run.stdout, (command, run.stderr)
         assert "nonexistent" in run.stderr or "config.json" in run.stderr or "not a directory" in run.stderr
+
+
+def test_serve_compile_compiles_at_start_up_and_says_how_long(tmp_path):
+    """Issue 32 item 3: --compile compiles the engine's step before the port answers, prints the
+    time it took, and the server answers as the eager one does."""
+    model = write_model_dir(tmp_path / "tiny", weights=True)
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    replies = []
+    for flags in ((), ("--compile",)):
+        server = ServeProcess(model, "--max-cache-tokens", "2048", "--dtype", "float32", "--threads", "1", *flags)
+        try:
+            with server.client() as client:
+                replies.append(client.chat.completions.create(model="tiny", max_tokens=6, temperature=0,
+                                                              messages=messages).choices[0].message.content)
+            compiled = re.search(r"compile: the engine's step compiled in ([0-9.]+) s", server.output)
+            assert (compiled is not None) == bool(flags), server.output
+        finally:
+            server.stop()
+    assert replies[0] == replies[1]
+
+
+def test_serve_quantize_logs_the_greedy_agreement_and_serves(tmp_path):
+    """Issue 32 item 5: --quantize int8 quantizes before the engine starts, logs how far greedy
+    tokens still agree with the unquantized model, and serves."""
+    pytest.importorskip("torchao")  # in the dev extra
+    model = write_model_dir(tmp_path / "tiny", weights=True)
+    server = ServeProcess(model, "--max-cache-tokens", "2048", "--dtype", "float32", "--threads", "1",
+                          "--quantize", "int8")
+    try:
+        assert re.search(r"quantize: int8 weight-only \(torchao, \d+ linear layers\); greedy agrees with the "
+                         r"unquantized model on the first \d+ of 32 probe tokens", server.output), server.output
+        with server.client() as client:
+            reply = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0,
+                                                   messages=[{"role": "user", "content": "Hi"}])
+        assert reply.usage.completion_tokens >= 1
+    finally:
+        server.stop()
+

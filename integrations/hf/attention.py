@@ -7,6 +7,10 @@ function writes the new K/V it is handed into the pool and attends over the bloc
 the step's backend. Every other forward (plain ``model.generate``, another cache, no cache) gets the
 model's original attention and masks.
 
+A compiled step (``HFModelRunner`` with ``compile=True``) cannot run Python per layer inside the
+graph: there the hook calls ``radixcache::paged_attention``, a custom op opaque to the compiler
+that writes the layer's K/V and attends through the ``StepCache`` of ``compiled_step``.
+
 Attention arguments radixcache's backends do not implement (attention sinks ``s_aux``, an additive
 ``position_bias``, an attention mask the model built itself, dropout while training, any other
 tensor argument) raise ``UnsupportedAttention``: the entry points fall back to plain transformers
@@ -25,7 +29,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from radixcache.errors import CacheError
-from radixcache.integrations.hf.cache import PREFIX, PagedOffset, take_planned
+from radixcache.integrations.hf.cache import (PREFIX, PagedOffset, compiled_cache, in_compiled_step,
+                                              take_planned)
 
 # keyword arguments the backends implement or that carry nothing attention needs
 HANDLED = {"scaling", "sliding_window", "softcap", "dropout", "is_causal", "position_ids",
@@ -82,8 +87,34 @@ def unsupported_arguments(module, attention_mask, kwargs) -> str | None:
     return None
 
 
+@torch.library.custom_op("radixcache::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                       scale: float, sliding_window: int, softcap: float) -> torch.Tensor:
+    """Write ``key`` / ``value`` (``[1, kv_heads, T, d]``) of ``layer`` into the pool and attend
+    ``query`` (``[1, heads, T, d]``) through the step of ``compiled_step`` -> ``[1, T, heads, dv]``.
+    ``sliding_window`` 0 and ``softcap`` 0.0 mean none. Raises ``CacheError`` outside a step."""
+    cache = compiled_cache()
+    if cache is None:
+        raise CacheError("radixcache::paged_attention ran outside compiled_step()")
+    cache.write(layer, key, value)
+    return cache.attend(layer, query, scale, sliding_window or None, softcap or None)
+
+
+@paged_attention_op.register_fake
+def _paged_attention_shape(query, key, value, layer, scale, sliding_window, softcap):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+
+
 def _make_attention(original: str):
     def paged_attention(module, query, key, value, attention_mask, **kwargs):
+        if in_compiled_step():  # traced into a compiled engine step: planned before the graph
+            reason = unsupported_arguments(module, attention_mask, kwargs)
+            if reason:
+                raise UnsupportedAttention(f"{type(module).__name__} needs {reason}")
+            scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            out = paged_attention_op(query, key, value, module.layer_idx, scale,
+                                     kwargs.get("sliding_window") or 0, kwargs.get("softcap") or 0.0)
+            return out, None
         recording = getattr(_RECORDING, "shapes", None)
         if recording is not None:
             recording.append((key.shape[1], key.shape[-1], value.shape[-1]))

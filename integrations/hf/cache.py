@@ -23,6 +23,10 @@ attention and masks compute the layer.
   plans the step. Left padding and already-cached columns are in no segment: the real query rows
   are gathered for attention and scattered back.
 
+A compiled engine step (``compiled_step``) plans its ``StepCache`` before the graph runs; while
+it is traced, ``update`` returns its inputs and the attention hook calls one opaque op that writes
+and attends (``attention.paged_attention_op``), so the graph holds no Python of the cache.
+
 What transformers sees of these besides the cache itself: the per-layer views its ``Cache`` API
 expects (``CacheLayer``) and the marked KV offset reported to its mask builders (``PagedOffset``);
 all K/V state lives in the owning cache.
@@ -31,6 +35,7 @@ all K/V state lives in the owning cache.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -98,6 +103,38 @@ PREFIX = "radixcache_paged_"  # the attention implementation ``attention.install
 _PENDING = threading.local()  # (cache, plan, layer, batch, new columns) of this thread's last update
 
 
+_COMPILED = threading.local()  # cache: the StepCache of this thread's compiled step in flight
+
+
+class _CompiledSteps:
+    active = False  # a compiled step runs (read while tracing: dynamo guards on it)
+
+
+@contextmanager
+def compiled_step(cache: "StepCache"):
+    """Within it, this thread runs a compiled engine step over ``cache`` (planned already:
+    ``begin_forward`` ran, the graph runs no Python of the cache): while it is traced,
+    ``in_compiled_step()`` is True, and the attention op finds ``cache`` (``compiled_cache()``)."""
+    _COMPILED.cache = cache
+    _CompiledSteps.active = True
+    try:
+        yield
+    finally:
+        _CompiledSteps.active = False
+        _COMPILED.cache = None
+
+
+def compiled_cache() -> "StepCache | None":
+    """The ``StepCache`` of this thread's ``compiled_step``, or None outside one."""
+    return getattr(_COMPILED, "cache", None)
+
+
+def in_compiled_step() -> bool:
+    """Whether the code calling this is being traced by the compiler for a ``compiled_step`` (a
+    model the user compiled on their own is not)."""
+    return torch.compiler.is_compiling() and _CompiledSteps.active
+
+
 def hooked(model) -> bool:
     """Whether ``model``'s attention layers reach radixcache's attention hook (``attention.install``
     switched it; models that compute attention themselves refuse the switch)."""
@@ -146,6 +183,8 @@ class PlannedCache(Cache):
         """Plan the forward (at layer 0) and mark ``layer_idx`` pending; return the inputs. The
         attention call that follows writes the K/V it attends over (``write``). Dense: write them
         now and return every row's whole K/V ``[B, kv_heads, columns, head_dim]``."""
+        if in_compiled_step():  # planned before the graph; the attention op writes
+            return key_states, value_states
         batch, n = key_states.shape[0], key_states.shape[2]
         if layer_idx == 0:
             self.begin_forward(batch, n)

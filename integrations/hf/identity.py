@@ -107,11 +107,23 @@ def model_identity(model) -> str:
     samples = []
     for name, tensor in model.state_dict().items():
         h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        flat = tensor.detach().reshape(-1)
-        if flat.numel() == 0 or flat.is_meta:
-            continue
-        step = max(1, flat.numel() // SAMPLE)
-        samples.append(flat[::step][:SAMPLE].to(torch.float32))
+        for part in _plain_parts(tensor):
+            flat = part.detach().reshape(-1)
+            if flat.numel() == 0 or flat.is_meta:
+                continue
+            step = max(1, flat.numel() // SAMPLE)
+            samples.append(flat[::step][:SAMPLE].to(torch.float32))
     if samples:
         h.update(torch.cat([s.to(samples[0].device) for s in samples]).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def _plain_parts(tensor) -> list:
+    """The plain tensors ``tensor`` consists of: itself, or the inner tensors of a tensor subclass
+    (torchao's quantized weights: int8 data and scales), depth first."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [plain for name in names for plain in _plain_parts(getattr(tensor, name))]

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from radixcache.attention import resolve_backend
 from radixcache.engine import Engine
 from radixcache.engine.request import request_namespace
 from radixcache.integrations.hf import batch as batch_path
 from radixcache.integrations.hf.attention import UnsupportedAttention, install
+from radixcache.integrations.hf.cache import hooked
 from radixcache.integrations.hf.generate import (generate_paged, passed_cache_reason, passed_caches,
                                                  plain_generate, prompt_tensors, split_mapping, unsupported_call,
                                                  validated_generation_config)
@@ -54,7 +56,7 @@ def validate_wrap_arguments(model, block_size, max_cache_tokens, attention, mode
 
 def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dtype=None,
          attention: str = "auto", model_id: str | None = None, store=None,
-         kv_events=None) -> CachedLM:
+         kv_events=None, compile: bool = False) -> CachedLM:
     """Wrap a transformers causal LM so that ``generate`` reuses every cached prefix.
 
     ``max_cache_tokens`` sizes the KV pool (default: 25% of available RAM on CPU, 50% of free GPU
@@ -68,6 +70,11 @@ def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dt
     ``kv_events``: publish the tree's whole blocks as vLLM's KV events for KV-aware routers, an
     endpoint to bind (``tcp://HOST:PORT``) or a ``radixcache.kv_events.KVEventPublisher``;
     ``lm.close()`` closes it.
+    ``compile=True``: the engine's steps (``generate_batch``, ``lm.engine``, the server) run the
+    model through ``torch.compile``, compiled here, at wrap time (minutes on a CPU;
+    ``lm.compile_s``), and checked against the model's own forward like the eager path; where it
+    cannot compile or disagrees, the engine stays eager and ``lm.compile_failed`` says why.
+    ``generate`` stays eager.
 
     A model the paged path can never serve (non-attention layers such as Mamba's, an ALiBi bias,
     an encoder-decoder) or that fails both self-tests gets no pool: ``lm.unsupported`` names why,
@@ -75,7 +82,7 @@ def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dt
     """
     return CachedLM(model, block_size=block_size, max_cache_tokens=max_cache_tokens,
                     kv_dtype=kv_dtype, attention=attention, model_id=model_id, store=store,
-                    kv_events=kv_events)
+                    kv_events=kv_events, compile=compile)
 
 
 def validated_keep(keep_s) -> float | None:
@@ -96,8 +103,10 @@ class CachedLM:
 
     def __init__(self, model, *, block_size: int = 16, max_cache_tokens: int | None = None,
                  kv_dtype=None, attention: str = "auto", model_id: str | None = None, store=None,
-                 kv_events=None):
+                 kv_events=None, compile: bool = False):
         validate_wrap_arguments(model, block_size, max_cache_tokens, attention, model_id)
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False, got {compile!r}")
         self.model = model
         self.block_size = block_size
         self.device = next(model.parameters()).device
@@ -110,6 +119,7 @@ class CachedLM:
         self._fp8_clamps = Fp8ClampWarning()
         self._engine = None
         self.pool = self.backend = self.runner = None
+        self.compile_s = self.compile_failed = None
         # decided before any pool exists: a model no path can serve gets none
         self.unsupported = self.engine_unsupported = unsupported_reason(model)
         if self.unsupported is None:
@@ -124,6 +134,8 @@ class CachedLM:
             else:
                 make_pool = pool_maker(geometry, block_size, self.dtype, self.device, kv_dtype)
                 self.unsupported, self.engine_unsupported = run_self_tests(self, make_pool)
+                if compile and self.engine_unsupported is None:
+                    self._compile_engine_step(make_pool)
         if self.unsupported and self.engine_unsupported:
             self.manager = CacheManager(1, block_size)  # the ledger (fallbacks) only: no pool
         else:
@@ -141,6 +153,24 @@ class CachedLM:
         except BaseException:  # a bad kv_events: nothing stays open
             self.manager.close()
             raise
+
+    def _compile_engine_step(self, make_pool) -> None:
+        """Compile the runner's step on the self-test's probe (every shape class it meets in
+        service) and keep it only where the engine's self-test passes through it."""
+        if not hooked(self.model):
+            self.compile_failed = "its attention does not reach radixcache's hook (it runs dense): nothing to compile"
+            logger.warning("radixcache: compile=True: %s; the engine runs eagerly", self.compile_failed)
+            return
+        self.runner.compile()
+        started = time.perf_counter()
+        _, failed = run_self_tests(self, make_pool)
+        self.compile_s = time.perf_counter() - started
+        if failed is not None:
+            self.runner.eager()
+            self.compile_failed = failed
+            logger.warning("radixcache: compile=True: %s; the engine runs eagerly", failed)
+        else:
+            logger.info("radixcache: compiled the engine's step in %.1f s", self.compile_s)
 
     # ------------------------------------------------------------------ identity
     def namespace(self, cache_salt: str | None = None) -> tuple:

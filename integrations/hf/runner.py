@@ -6,7 +6,7 @@ import torch
 
 from radixcache.attention.plan import Segment, StepPlan, device_tensor
 from radixcache.engine.runner import ModelRunner
-from radixcache.integrations.hf.cache import StepCache, forget_pending, hooked
+from radixcache.integrations.hf.cache import StepCache, compiled_step, forget_pending, hooked
 
 
 class HFModelRunner(ModelRunner):
@@ -18,6 +18,11 @@ class HFModelRunner(ModelRunner):
     A model whose attention does not reach the hook (``cache.hooked`` is False: Falcon) attends
     with its own masks over K/V a dense ``StepCache`` hands it, which cannot tell packed sequences
     apart: such a step runs one forward per segment, ``[1, q_len]`` each.
+
+    ``compile()`` switches the packed steps to ``torch.compile(model.forward, dynamic=True)``: the
+    step is planned before the graph runs and each layer's attention is one opaque op
+    (``attention.paged_attention_op``, ``cache.compiled_step``); ``eager()`` switches back. The first steps of each shape
+    class (one token, many; one logits row, many) compile; the wrapper runs them at start-up.
     """
 
     def __init__(self, model, vocab_size: int, device: torch.device, model_id: str):
@@ -25,6 +30,18 @@ class HFModelRunner(ModelRunner):
         self.vocab_size = vocab_size
         self.device = device
         self.model_id = model_id
+        self.compiled = None
+
+    def compile(self) -> None:
+        """Run the packed steps through ``torch.compile`` (compiled on their first calls). Its CPU
+        kernels take the thread count of the thread that runs them (a server compiles on its
+        main thread, serial, and steps on the scheduler's), not the one they were compiled on."""
+        self.compiled = torch.compile(self.model.forward, dynamic=True,
+                                      options={"cpp.dynamic_threads": True})
+
+    def eager(self) -> None:
+        """Run the packed steps eagerly again."""
+        self.compiled = None
 
     def forward(self, tokens: list, positions: list, plan: StepPlan, logits_rows: list) -> torch.Tensor:
         """See ``ModelRunner.forward``."""
@@ -35,10 +52,16 @@ class HFModelRunner(ModelRunner):
     def _run(self, tokens: list, positions: list, cache: StepCache, logits_rows: list) -> torch.Tensor:
         t = len(tokens)
         packed = device_tensor(tokens + positions + logits_rows, self.device)
+        inputs = dict(input_ids=packed[:t][None], position_ids=packed[t:2 * t][None], cache=cache,
+                      use_cache=True, logits_to_keep=packed[2 * t:])
         try:
             with torch.no_grad():
-                out = self.model(input_ids=packed[:t][None], position_ids=packed[t:2 * t][None],
-                                 cache=cache, use_cache=True, logits_to_keep=packed[2 * t:])
+                if self.compiled is not None and not cache.dense:
+                    cache.begin_forward(1, t)
+                    with compiled_step(cache):
+                        out = self.compiled(**inputs)
+                else:
+                    out = self.model(**inputs)
         finally:
             forget_pending()
         return out.logits[0].float()

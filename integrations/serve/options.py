@@ -47,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, metavar="N", default=None,
                         help="threads of the model's CPU kernels (default: OMP_NUM_THREADS when set, else the "
                              "CPUs this process may use, its affinity and cgroup quota)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run the engine's steps through torch.compile, compiled at start-up (minutes on a "
+                             "CPU; faster decode after); falls back to eager, saying why, where it cannot")
+    parser.add_argument("--quantize", choices=("int8",), default=None,
+                        help="weight-only int8 (torchao, radixcache's [quantize] extra): fewer bytes per token, "
+                             "changed tokens (the greedy agreement on a probe is logged); on a CPU it pays with "
+                             "--compile only")
     parser.add_argument("--max-cache-tokens", type=positive_int, metavar="N", default=None,
                         help="KV pool size in tokens (default: 25%% of free RAM on CPU, 50%% of free GPU memory)")
     parser.add_argument("--block-size", type=positive_int, metavar="N", default=16,
@@ -115,6 +122,8 @@ class ServeOptions:
     model: Path | None = None
     dtype: str = "auto"
     threads: int | None = None  # None: radixcache.compute_threads.default_threads()
+    compile: bool = False  # the engine's steps through torch.compile
+    quantize: str | None = None  # "int8": weight-only, radixcache.quantize
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     max_cache_tokens: int | None = None
@@ -211,6 +220,7 @@ class ServeOptions:
             if not log_file.parent.is_dir():
                 raise ValueError(f"--log-token-ids {log_file}: no such directory {log_file.parent}")
         return cls(model=model, dtype=getattr(args, "dtype", "auto"), threads=getattr(args, "threads", None),
+                   compile=getattr(args, "compile", False), quantize=getattr(args, "quantize", None),
                    host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
                    block_size=args.block_size, chat_template=template,
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),

@@ -145,6 +145,10 @@ def load_engine(options: ServeOptions, info):
     threads = options.threads or default_threads()[0]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, _ = load_model(options.model, dtype=options.dtype, device=device)
+    if options.quantize is not None:
+        from radixcache.quantize import quantize_weights
+
+        logger.info("quantize: %s", quantize_weights(model, options.quantize).describe())
     publisher = None
     if options.kv_events is not None:
         from radixcache.kv_events import KVEventPublisher
@@ -153,7 +157,7 @@ def load_engine(options: ServeOptions, info):
                                      allow_remote=options.kv_events_allow_remote)
     try:
         lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens,
-                             store=store_url(options), kv_events=publisher)
+                             store=store_url(options), kv_events=publisher, compile=options.compile)
     except BaseException:
         if publisher is not None:
             publisher.close()
@@ -198,7 +202,7 @@ def main(args) -> int:
     try:
         state = build_state(options)
         state.attach_engine(load_engine(options, state.info))
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, ImportError) as exc:
         sock.close()
         print(f"radixcache serve: {exc}", file=sys.stderr)
         return 1
@@ -224,6 +228,10 @@ def startup_summary(state, options: ServeOptions) -> list[str]:
         lines.append(f"model: {type(lm.model).__name__}, {str(lm.model.dtype).removeprefix('torch.')} on {lm.device}, "
                      f"{engine.compute_threads or torch_threads()} thread(s), context {state.info.max_context_tokens:,} "
                      f"tokens")
+        if lm.compile_failed is not None:
+            lines.append(f"compile: failed ({lm.compile_failed}); the engine runs eagerly")
+        elif lm.compile_s is not None:
+            lines.append(f"compile: the engine's step compiled in {lm.compile_s:.1f} s")
         lines.append(f"KV pool: {stats['capacity_tokens']:,} tokens in blocks of {lm.manager.block_size} "
                      f"({stats['kv_pool_bytes'] / 2**20:,.0f} MiB, {stats['kv_bytes_per_token']:,} B per token; "
                      f"--max-cache-tokens sets it), {lm.backend.name} attention")

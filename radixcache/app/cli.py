@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=models.DTYPE_CHOICES, default="auto",
                       help="the model's dtype, both sides (default auto: bfloat16 on CPUs with native bf16 "
                            "matrix units, AMX / AVX512-BF16 / Arm BF16, and on CUDA; float32 elsewhere)")
+    demo.add_argument("--quantize", choices=("int8",), default=None,
+                      help="int8 weight-only weights on both sides (torchao, radixcache's [quantize] extra); "
+                           "prints the greedy agreement with the unquantized model")
     demo.set_defaults(handler=_demo)
 
     from radixcache.integrations.serve import options as serve_options
@@ -186,7 +189,7 @@ def _demo(args) -> int:
         print("radixcache: the demo is not available in this version", file=sys.stderr)
         return 1
     demo_args = argparse.Namespace(model=args.model, turns=args.turns, out=args.out, dtype=args.dtype,
-                                   threads=args.threads)
+                                   threads=args.threads, quantize=args.quantize)
     result = demo_main(demo_args)
     return result if isinstance(result, int) else 0
 

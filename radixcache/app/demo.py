@@ -227,6 +227,14 @@ def main(args) -> int:
     except (OSError, ValueError, TypeError) as exc:  # not a model directory: say so, no traceback
         print(f"radixcache demo: {exc}", file=sys.stderr)
         return 1
+    if getattr(args, "quantize", None):
+        from radixcache.quantize import quantize_weights
+
+        try:
+            print(f"quantize: {quantize_weights(model, args.quantize).describe()} (both sides)")
+        except ImportError as exc:
+            print(f"radixcache demo: {exc}", file=sys.stderr)
+            return 1
     print(f"model dtype: {model.dtype} (both sides)")
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
