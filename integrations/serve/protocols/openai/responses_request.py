@@ -31,7 +31,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from radixcache.integrations.serve.errors import APIError, bad_request
 from radixcache.integrations.serve.protocols.openai.requests import keep_seconds
-from radixcache.integrations.serve.protocols.schema import APIModel, CacheSalt
+from radixcache.integrations.serve.protocols.schema import APIModel, CacheSalt, parse_body
 
 logger = logging.getLogger("radixcache.serve")
 
@@ -291,9 +291,4 @@ def _as_api_error(exc: ValidationError, obj: dict) -> APIError:
 
 def parse_responses_request(obj) -> ResponsesRequest:
     """The validated request of a decoded JSON body; ``APIError`` 400 otherwise."""
-    if not isinstance(obj, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
-    try:
-        return ResponsesRequest.model_validate(obj)
-    except ValidationError as exc:
-        raise _as_api_error(exc, obj) from None
+    return parse_body(ResponsesRequest, obj, as_error=_as_api_error)
