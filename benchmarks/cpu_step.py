@@ -13,10 +13,11 @@ Every timed call's tokens are compared between the two sides (in float32 they mu
 ``--serve`` adds a third side to the decode: ``radixcache serve`` as a subprocess (same model, dtype
 and threads, idle while the others run), the same prompt sent once untimed and then streamed
 through ``/v1/completions`` as token ids; its rate from the first streamed token to the last
-(a reply cut short by EOS is left out), beside ``lm.generate``'s; ``--compile`` and ``--quantize
-int8`` start it with those options (its engine's step compiled at start-up; its weights int8, the
-in-process sides' not: the ratio is then what the configuration buys).
-``python benchmarks/cpu_step.py [--dtypes float32 bfloat16] [--contexts 1500 3000] [--threads 1] [--serve]``.
+(a reply cut short by EOS is left out), beside ``lm.generate``'s; ``--quantize int8`` starts it
+with its weights int8, the in-process sides' not: the ratio is then what the configuration buys.
+``--compile`` compiles radixcache's sides (``wrap(model, compile=True)`` in process, ``serve
+--compile``); plain ``generate`` stays eager, as a user runs it.
+``python benchmarks/cpu_step.py [--dtypes float32 bfloat16] [--contexts 1500 3000] [--threads 1] [--serve] [--compile]``.
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ def main(argv=None, load=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve", action="store_true",
                         help="also time the decode through radixcache serve (a subprocess)")
-    parser.add_argument("--compile", action="store_true", help="start the server with --compile")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile radixcache's sides: wrap(model, compile=True) and serve --compile")
     parser.add_argument("--quantize", choices=("int8",), default=None, help="start the server with --quantize")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
@@ -187,7 +189,10 @@ def main(argv=None, load=None) -> int:
         else:
             model = load(dtype)
         pool_tokens = 4 * (max(args.contexts) + args.new + 64)
-        lm = radixcache.wrap(model, attention=args.attention, max_cache_tokens=pool_tokens)
+        lm = radixcache.wrap(model, attention=args.attention, max_cache_tokens=pool_tokens, compile=args.compile)
+        if args.compile:
+            print(f"  {dtype}: lm.generate compiled in {lm.compile_s or 0:.0f} s"
+                  + (f" (failed: {lm.compile_failed})" if lm.compile_failed else ""), file=sys.stderr)
         server = None
         if args.serve:
             server = start_server(args.model, dtype, args.threads, pool_tokens,
@@ -203,8 +208,9 @@ def main(argv=None, load=None) -> int:
             lm.close()
     flags = " ".join(flag for flag, on in (("--compile", args.compile), (f"--quantize {args.quantize}", args.quantize))
                      if on)
-    served = f" (the server with {flags})" if args.serve and flags else ""
-    print(f"cold prompt and decode, lm.generate against model.generate{served}; {args.threads} torch thread(s), "
+    sides = "radixcache's sides" if args.serve else "lm.generate"
+    configured = f" ({sides} with {flags})" if flags else ""
+    print(f"cold prompt and decode, lm.generate against model.generate{configured}; {args.threads} torch thread(s), "
           f"{args.reps} repetitions, medians; {cpu_name()}, "
           f"torch {torch.__version__}")
     print(render(rows))

@@ -92,6 +92,8 @@ def test_demo_passes_model_turns_and_out(monkeypatch):
     assert (seen[0].model, seen[0].turns, seen[0].out) == (None, 6, "out/")
     assert main(["demo", "--model", "/m", "--turns", "2", "--out", "o"]) == 0
     assert (seen[1].model, seen[1].turns, seen[1].out) == ("/m", 2, "o")
+    assert seen[0].compile is False
+    assert main(["demo", "--compile"]) == 0 and seen[2].compile is True
 
 
 def test_module_entry_point_runs_in_a_subprocess():

@@ -80,3 +80,50 @@ def test_a_model_that_runs_dense_is_not_compiled_and_says_why(monkeypatch):
     monkeypatch.setattr("radixcache.integrations.hf.lm.hooked", lambda model: False)
     lm = radixcache.wrap(tiny_model("llama"), compile=True, max_cache_tokens=2048)
     assert "runs dense" in lm.compile_failed and lm.runner.compiled is None and lm.compile_s is None
+
+
+def test_lm_generate_runs_the_compiled_step_gives_plain_tokens_and_never_recompiles(monkeypatch):
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("llama")
+    compiled = radixcache.wrap(model, compile=True, max_cache_tokens=4096)
+    eager = radixcache.wrap(model, max_cache_tokens=4096)  # the same model, not compiled
+    graphs = counters["stats"]["unique_graphs"]
+    routed = []
+    forward_generate = HFModelRunner.forward_generate
+
+    def spy(runner, cache, input_ids, position_ids):
+        routed.append(runner)
+        return forward_generate(runner, cache, input_ids, position_ids)
+
+    monkeypatch.setattr(HFModelRunner, "forward_generate", spy)
+    ids = torch.tensor([[0, 0, 7, 8, 9, 10], [5, 6, 7, 8, 9, 11]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    single = torch.tensor([prompts(5, [37])[0]])
+    longer = torch.cat([single, torch.tensor([prompts(6, [20])[0]])], dim=1)  # a cached prefix
+    for args in (dict(input_ids=ids, attention_mask=mask, pad_token_id=0), dict(input_ids=single),
+                 dict(input_ids=longer), dict(input_ids=ids, attention_mask=mask, pad_token_id=0)):
+        want = model.generate(**args, max_new_tokens=7, do_sample=False, eos_token_id=None)
+        assert compiled.generate(**args, max_new_tokens=7, do_sample=False, eos_token_id=None).tolist() == want.tolist()
+        assert routed and set(routed) == {compiled.runner}
+        routed.clear()
+        assert eager.generate(**args, max_new_tokens=7, do_sample=False, eos_token_id=None).tolist() == want.tolist()
+        assert not routed  # the eager wrapper's forwards are the model's own
+    assert compiled.stats()["hit_tokens"] >= 37
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    compiled.manager.check()
+    eager.manager.check()
+
+
+def test_two_threads_generate_through_one_compiled_step_at_once():
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny_model("llama")
+    lm = radixcache.wrap(model, compile=True, max_cache_tokens=4096)
+    batch = [torch.tensor([p]) for p in prompts(8, [30, 45, 12, 60])]
+    want = [model.generate(p, max_new_tokens=12, do_sample=False, eos_token_id=None).tolist() for p in batch]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: lm.generate(p, max_new_tokens=12, do_sample=False,
+                                                  eos_token_id=None).tolist(), batch * 2))
+    assert got == want * 2
+    lm.manager.check()

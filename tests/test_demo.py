@@ -200,3 +200,16 @@ def test_a_half_precision_difference_names_the_dynamiccache_reference_too(capsys
     assert demo.exit_status([2], torch.bfloat16, reference=[2]) == 0
     err = capsys.readouterr().err
     assert "turn(s) [2]" in err and "DynamicCache reuse parts too" in err and "--dtype float32" in err
+
+
+def test_demo_compile_compiles_radixcache_side_and_keeps_its_replies(tiny_model_dir, tmp_path, capsys,
+                                                                      monkeypatch):
+    path, _ = tiny_model_dir
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    args = argparse.Namespace(model=str(path), turns=2, out=str(tmp_path / "out"), system_tokens=120,
+                              max_new_tokens=6, compile=True, dtype="float32")
+    assert demo.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "compile: radixcache's side compiled in" in printed
+    total = next(line for line in printed.splitlines() if line.startswith("total")).split()
+    assert total[-2:] == ["2/2", "2/2"]

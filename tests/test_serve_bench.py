@@ -116,10 +116,38 @@ def test_llama_server_runs_only_on_the_embedded_gguf_and_without_repacking(tmp_p
     assert serve_servers.unavailable("llama-server", default_model_dir()) is None
     command = serve_servers.llama_server_command(default_model_dir(), 8123, serve_servers.Run("bfloat16", 16))
     assert command[0] == str(binary) and command[command.index("-m") + 1] == str(find_default_gguf())
-    assert "--no-repack" in command and command[command.index("-np") + 1] == "16"
+    assert "--no-repack" in command and command[command.index("-np") + 1] == "16" and "-kvu" in command
+    one = serve_servers.llama_server_command(default_model_dir(), 8123, serve_servers.Run("bfloat16", 1))
+    assert one[one.index("-np") + 1] == "1" and one[one.index("-c") + 1] == "8192" and "-kvu" not in one
     assert command[command.index("--port") + 1] == "8123"  # ServerProcess reads the port from it
     assert command[command.index("-a") + 1] == default_model_dir().name  # the others' model name
     assert serve_servers.precision("llama-server", default_model_dir(), "bfloat16") == "Q4_1 GGUF"
     assert serve_servers.precision("radixcache", default_model_dir(), "bfloat16") == "bfloat16"
     radix = serve_servers.radixcache_command(tiny, 8124, serve_servers.Run("float32", 1))
     assert radix[radix.index("--dtype") + 1] == "float32"
+
+
+def test_llama_server_starts_anew_per_phase_and_radixcache_configurations_each_have_a_row(tmp_path):
+    bench = load_bench()
+    runs = bench.planned_runs(["radixcache", "radixcache+compile+int8", "llama-server"], [], [1, 8, 16], tmp_path)
+    assert [(label, counts) for label, _, _, counts in runs] == [
+        ("radixcache", [1, 8, 16]), ("radixcache+compile+int8", [1, 8, 16]),
+        ("llama-server", [1]), ("llama-server", [8]), ("llama-server", [16])]
+    command = runs[1][1](tmp_path, 8125, bench.Run("bfloat16", 16))
+    assert command[-3:] == ["--compile", "--quantize", "int8"] and "serve" in command
+    assert "radixcache+compile+int8" in bench.COMPILING
+
+
+def test_summary_rows_give_turn_one_ttft_decode_rate_and_turn_latency():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import serve_report
+    from serve_client import Call, Phase
+
+    phase = Phase("radixcache", 1, wall_s=10.0, calls=[
+        Call(0, 1, 100, 0, started=0.0, ttft_s=2.0, done=5.0, completion_tokens=31),  # 30 tokens in 3 s
+        Call(0, 2, 140, 100, started=6.0, ttft_s=0.5, done=8.5, completion_tokens=41),  # 40 in 2 s
+        Call(0, 3, 180, 140, started=9.0, ttft_s=0.3, done=10.0, completion_tokens=1)])  # no decode
+    row = dict(zip(serve_report.SUMMARY_HEADER, serve_report.summary_rows([phase])[0]))
+    assert row["TTFT turn 1 ms"] == "2,000" and row["TTFT turns 2+ ms"] == "400"
+    assert row["decode tok/s per session"] == "15.0"  # the median of 10 and 20 tok/s
+    assert row["turn 2+ s"] == "1.75" and row["out tok/s"] == "7.3"

@@ -21,7 +21,8 @@ attention and masks compute the layer.
   rows, each with a ``Lease``. At layer 0 of every forward it commits what the previous forward
   computed, grows each row's blocks to the new length (lazily: blocks grow as tokens arrive) and
   plans the step. Left padding and already-cached columns are in no segment: the real query rows
-  are gathered for attention and scattered back.
+  are gathered for attention and scattered back. Under a compiled runner the forward runs as the
+  engine's packed step instead (``begin_packed``, ``runner.route_generate_forwards``).
 
 A compiled engine step (``compiled_step``) plans its ``StepCache`` before the graph runs; while
 it is traced, ``update`` returns its inputs and the attention hook calls one opaque op that writes
@@ -107,20 +108,27 @@ _COMPILED = threading.local()  # cache: the StepCache of this thread's compiled 
 
 
 class _CompiledSteps:
-    active = False  # a compiled step runs (read while tracing: dynamo guards on it)
+    active = False  # some thread runs a compiled step (read while tracing: dynamo guards on it)
+    running = 0  # how many threads do
+    lock = threading.Lock()
 
 
 @contextmanager
 def compiled_step(cache: "StepCache"):
     """Within it, this thread runs a compiled engine step over ``cache`` (planned already:
     ``begin_forward`` ran, the graph runs no Python of the cache): while it is traced,
-    ``in_compiled_step()`` is True, and the attention op finds ``cache`` (``compiled_cache()``)."""
+    ``in_compiled_step()`` is True, and the attention op finds ``cache`` (``compiled_cache()``).
+    Threads may run compiled steps at once (two ``lm.generate`` calls)."""
     _COMPILED.cache = cache
-    _CompiledSteps.active = True
+    with _CompiledSteps.lock:
+        _CompiledSteps.running += 1
+        _CompiledSteps.active = True
     try:
         yield
     finally:
-        _CompiledSteps.active = False
+        with _CompiledSteps.lock:
+            _CompiledSteps.running -= 1
+            _CompiledSteps.active = _CompiledSteps.running > 0
         _COMPILED.cache = None
 
 
@@ -349,6 +357,30 @@ class PagedCache(PlannedCache):
             rows = self.pool.rows(self.plan.block_table, torch.arange(batch, device=pos.device)[:, None],
                                   pos.clamp(min=0))
             self.history = torch.where(pos >= 0, rows, self.pool.null_row)
+
+    def begin_packed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None):
+        """Plan a forward of ``input_ids`` (``[B, n]``) as one packed ``[1, T]`` step over the real
+        query rows (``begin_forward``) -> ``(tokens, positions, logits_rows)``: what
+        ``ModelRunner.forward`` takes, the logits row of each batch row its last query token.
+        ``position_ids`` (``[B, n]``, transformers' own for left-padded rows) give the positions;
+        without them a column's position is its index in its row's tokens."""
+        batch, n = input_ids.shape
+        self.begin_forward(batch, n)
+        self.shape = (batch, n)
+        flat = input_ids.reshape(-1)
+        given = None if position_ids is None else position_ids.reshape(-1)
+        if self.gather is not None:
+            flat = flat.index_select(0, self.gather)
+            given = None if given is None else given.index_select(0, self.gather)
+        positions, rows = ([] if given is None else given.tolist()), []
+        for seg in self.plan.segments:
+            if seg.q_len < 1:
+                raise CacheError(f"a packed generate step needs every row to have a query token, "
+                                 f"one has {seg.q_len}")
+            if given is None:
+                positions.extend(range(seg.kv_len - seg.q_len, seg.kv_len))
+            rows.append(seg.q_start + seg.q_len - 1)
+        return flat.tolist(), positions, rows
 
     def _record(self, sequences, previous: int, n: int) -> None:
         """Append columns ``previous .. previous+n-1`` of transformers' ``sequences`` (the tokens

@@ -74,7 +74,8 @@ def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dt
     model through ``torch.compile``, compiled here, at wrap time (minutes on a CPU;
     ``lm.compile_s``), and checked against the model's own forward like the eager path; where it
     cannot compile or disagrees, the engine stays eager and ``lm.compile_failed`` says why.
-    ``generate`` stays eager.
+    ``generate``'s forwards then run as the same compiled packed steps (transformers still samples,
+    streams and stops); a call with inputs a packed step does not take runs them eagerly.
 
     A model the paged path can never serve (non-attention layers such as Mamba's, an ALiBi bias,
     an encoder-decoder) or that fails both self-tests gets no pool: ``lm.unsupported`` names why,

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from radixcache.attention.plan import Segment, StepPlan, device_tensor
 from radixcache.engine.runner import ModelRunner
-from radixcache.integrations.hf.cache import StepCache, compiled_step, forget_pending, hooked
+from radixcache.integrations.hf.cache import PagedCache, StepCache, compiled_step, forget_pending, hooked
+
+# what transformers' generate hands a causal LM's forward that a packed step reproduces
+PACKABLE = {"input_ids", "cache", "attention_mask", "position_ids", "use_cache", "return_dict",
+            "logits_to_keep", "cache_position"}
 
 
 class HFModelRunner(ModelRunner):
@@ -23,6 +30,8 @@ class HFModelRunner(ModelRunner):
     step is planned before the graph runs and each layer's attention is one opaque op
     (``attention.paged_attention_op``, ``cache.compiled_step``); ``eager()`` switches back. The first steps of each shape
     class (one token, many; one logits row, many) compile; the wrapper runs them at start-up.
+    While compiled, ``lm.generate``'s forwards run as the same packed steps (``forward_generate``):
+    one compiled graph serves both paths.
     """
 
     def __init__(self, model, vocab_size: int, device: torch.device, model_id: str):
@@ -36,12 +45,21 @@ class HFModelRunner(ModelRunner):
         """Run the packed steps through ``torch.compile`` (compiled on their first calls). Its CPU
         kernels take the thread count of the thread that runs them (a server compiles on its
         main thread, serial, and steps on the scheduler's), not the one they were compiled on."""
-        self.compiled = torch.compile(self.model.forward, dynamic=True,
+        self.compiled = torch.compile(model_forward(self.model), dynamic=True,
                                       options={"cpp.dynamic_threads": True})
+        route_generate_forwards(self.model)
 
     def eager(self) -> None:
-        """Run the packed steps eagerly again."""
+        """Run the packed steps (and ``lm.generate``'s forwards) eagerly again."""
         self.compiled = None
+
+    def forward_generate(self, cache: PagedCache, input_ids: torch.Tensor,
+                         position_ids: torch.Tensor | None) -> CausalLMOutputWithPast:
+        """One forward of ``lm.generate`` (``[B, n]`` new columns over ``cache``) as a packed step:
+        the logits of each row's last column (``[B, 1, vocab]``, float32) and the cache."""
+        tokens, positions, rows = cache.begin_packed(input_ids, position_ids)
+        logits = self._run(tokens, positions, StepCache(cache.plan), rows)
+        return CausalLMOutputWithPast(logits=logits[:, None], cache=cache)
 
     def forward(self, tokens: list, positions: list, plan: StepPlan, logits_rows: list) -> torch.Tensor:
         """See ``ModelRunner.forward``."""
@@ -77,3 +95,31 @@ class HFModelRunner(ModelRunner):
                                [r - lo for r in mine] or [seg.q_len - 1])
             found.update(zip(mine, logits))
         return torch.stack([found[r] for r in logits_rows])
+
+
+def model_forward(model):
+    """``model.forward`` as the model has it (not ``route_generate_forwards``' router)."""
+    return getattr(model.forward, "radixcache_own_forward", model.forward)
+
+
+def route_generate_forwards(model) -> None:
+    """Make ``model``'s forwards that carry a ``PagedCache`` of a wrapper whose runner is compiled
+    (and only what transformers' generate hands a causal LM: ``PACKABLE``, one logits row) run
+    through that runner's ``forward_generate``; every other forward (plain ``generate``, an eager
+    wrapper, a dense cache) runs the model's own. Idempotent; the model's signature is kept
+    (transformers reads it)."""
+    if hasattr(model.forward, "radixcache_own_forward"):
+        return
+    own = model.forward
+
+    @functools.wraps(own)
+    def forward(*args, **kwargs):
+        cache = kwargs.get("cache")
+        if not args and isinstance(cache, PagedCache) and not cache.dense \
+                and cache.owner.runner.compiled is not None and kwargs.keys() <= PACKABLE \
+                and kwargs.get("logits_to_keep") in (None, 1) and kwargs.get("return_dict", True):
+            return cache.owner.runner.forward_generate(cache, kwargs["input_ids"], kwargs.get("position_ids"))
+        return own(*args, **kwargs)
+
+    forward.radixcache_own_forward = own
+    model.forward = forward

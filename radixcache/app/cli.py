@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quantize", choices=("int8",), default=None,
                       help="int8 weight-only weights on both sides (torchao, radixcache's [quantize] extra); "
                            "prints the greedy agreement with the unquantized model")
+    demo.add_argument("--compile", action="store_true",
+                      help="radixcache's side through torch.compile (wrap(model, compile=True)), compiled before "
+                           "the first turn (minutes on a CPU, the time printed); plain generate stays eager")
     demo.set_defaults(handler=_demo)
 
     from radixcache.integrations.serve import options as serve_options
@@ -189,7 +192,7 @@ def _demo(args) -> int:
         print("radixcache: the demo is not available in this version", file=sys.stderr)
         return 1
     demo_args = argparse.Namespace(model=args.model, turns=args.turns, out=args.out, dtype=args.dtype,
-                                   threads=args.threads, quantize=args.quantize)
+                                   threads=args.threads, quantize=args.quantize, compile=args.compile)
     result = demo_main(demo_args)
     return result if isinstance(result, int) else 0
 

@@ -196,7 +196,8 @@ def _progress(total: int):
 # ---------------------------------------------------------------------- main
 def main(args) -> int:
     """Run the demo; ``args`` has ``model`` (None or a local directory), ``turns``, ``out`` and
-    optionally ``dtype`` (default "auto": ``radixcache.models.default_dtype``)."""
+    optionally ``dtype`` (default "auto": ``radixcache.models.default_dtype``), ``threads``,
+    ``quantize`` and ``compile`` (radixcache's side through ``wrap(model, compile=True)``)."""
     import torch
 
     import radixcache
@@ -250,7 +251,11 @@ def main(args) -> int:
     print(f"system prompt: {count_tokens(tokenizer, system):,} tokens ({n_tools} tool definitions); "
           f"prompts built with {how}")
 
-    cached_lm = radixcache.wrap(model)  # 1. wrap
+    compile = bool(getattr(args, "compile", False))
+    cached_lm = radixcache.wrap(model, compile=compile)  # 1. wrap
+    if compile:
+        print(f"compile: radixcache's side compiled in {cached_lm.compile_s:.1f} s" if cached_lm.compile_failed is None
+              else f"compile: not compiled ({cached_lm.compile_failed}); radixcache's side runs eagerly")
     print(f"loaded in {time.perf_counter() - start:.1f} s; {cached_lm!r}")
     plain = Session("plain", model.generate)
     cached = Session("radixcache", cached_lm.generate)  # 2. generate (same arguments as model.generate)
