@@ -1,8 +1,9 @@
 """Agent loop over HTTP: the same multi-turn workload through the ``openai`` client, server by server.
 
-Each server (``serve_servers.py``: radixcache, ``transformers serve`` without and with continuous
+Each server (``serve_servers.py``: radixcache, optionally also with ``--compile`` and / or
+``--quantize int8`` as rows of their own, ``transformers serve`` without and with continuous
 batching, and llama.cpp's ``llama-server`` when it is on PATH, on the GGUF the embedded model comes
-from) is started as a subprocess on a free loopback port, on the same local model
+from, started anew for each number of sessions) is started as a subprocess on a free loopback port, on the same local model
 (offline: ``HF_HUB_OFFLINE=1``), warmed up with one short request and then driven by ``sessions``
 concurrent agent sessions (1, 8, then 16). Every server but llama-server (whose GGUF is Q4_1)
 runs at one ``--dtype`` (default auto: ``radixcache.models.default_dtype``, bfloat16 on CPUs with
@@ -11,6 +12,9 @@ tool preamble (``radixcache.app.demo.build_system_prompt``, about 1,500 tokens o
 turn a user request, the streamed greedy reply (``max_tokens`` 24), a tool result as a ``tool``
 message; every request sends the whole conversation as messages, as agent frameworks do.
 
+Per phase it prints turn-1 TTFT, cached-turn TTFT p50 and p99, a call's decode rate (its tokens
+after the first over the time from the first to the last), a cached turn's whole latency and the
+output tokens/s; against llama-server, the one-session targets of each radixcache configuration.
 Per server, sessions and turn it prints: prompt tokens, TTFT p50/p95 (request sent to the first
 content chunk, over the sessions), output tokens/s (that turn's completion tokens over its wall
 span), cached tokens as the server reports them in ``usage.prompt_tokens_details.cached_tokens``
@@ -50,15 +54,19 @@ from report import table  # noqa: E402
 from serve_client import Workload, run_phase, warm_up  # noqa: E402
 from serve_inprocess import InProcessSession, inprocess_ttft_ms  # noqa: E402
 from serve_report import SUMMARY_HEADER, greedy_line, phase_rows, summary_rows, target_rows  # noqa: E402
-from serve_servers import (DEFAULT_SERVERS, SERVERS, Run, precision, radixcache_command,  # noqa: E402
-                           unavailable)
+from serve_servers import (COMPILING, DEFAULT_SERVERS, PER_PHASE, SERVERS, Run, precision,  # noqa: E402
+                           radixcache_command, unavailable)
 from server_process import ServerProcess, free_port  # noqa: E402
 
 
 def planned_runs(names, templates, sessions, template_dir: Path):
-    """``(label, command builder, template text or None, sessions)`` per server to start: each named
-    server, then radixcache once more per drifting template (its first session count only)."""
-    runs = [(name, SERVERS[name], None, sessions) for name in names]
+    """``(label, command builder, template text or None, sessions)`` per server start: each named
+    server once for every session count (a server of ``PER_PHASE`` once per count), then radixcache
+    once more per drifting template (its first session count only)."""
+    runs = []
+    for name in names:
+        phases = [[n] for n in sessions] if name in PER_PHASE else [sessions]
+        runs += [(name, SERVERS[name], None, counts) for counts in phases]
     if "radixcache" in names:
         for name in templates:
             path = template_dir / f"{name}.jinja"
@@ -115,7 +123,6 @@ def main(argv=None) -> int:
     names = [n for n in names if n not in dict(skipped)]
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     work = Workload(tokenizer, args.system_tokens)
-    run = Run(dtype, max(sessions))
     print(f"radixcache serve benchmark: {model_dir.name}, {turns} turns, sessions {sessions}, "
           f"{max_tokens} new tokens, system prompt with {work.tools} tools; servers: {', '.join(names)}; "
           f"drifting templates: {', '.join(templates) if 'radixcache' in names and templates else 'none'}; "
@@ -128,8 +135,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as logs:
         for label, build, template, counts in planned_runs(names, templates, sessions, Path(logs)):
             run_work = work if template is None else Workload(tokenizer, args.system_tokens, template)
+            run = Run(dtype, max(counts))
+            startup_s = max(args.startup_timeout, 900.0) if label in COMPILING else args.startup_timeout
             try:
-                server = ServerProcess(label, build(model_dir, free_port(), run), Path(logs), args.startup_timeout)
+                server = ServerProcess(label, build(model_dir, free_port(), run), Path(logs), startup_s)
             except RuntimeError as exc:
                 failures.append(f"{label}: {exc}")
                 continue
@@ -158,7 +167,7 @@ def main(argv=None) -> int:
               "cached tok", "ideal tok", "cached/ideal")
     print(table(header, [row for phase in phases for row in phase_rows(phase)], left=(0,)))
     print()
-    print(table(SUMMARY_HEADER, summary_rows(phases), left=(0, 7)))
+    print(table(SUMMARY_HEADER, summary_rows(phases), left=(0, len(SUMMARY_HEADER) - 1)))
     print("TTFT: request sent to the first content chunk (streamed, greedy). out tok/s: completion tokens "
           "over the wall time. cached: usage.prompt_tokens_details.cached_tokens ('-': not reported); "
           "ideal: prompt tokens repeating the session's previous turn token for token.")

@@ -15,6 +15,9 @@ TARGET_TTFT_VS_INPROCESS = 1.05  # ... and at most this multiple of radixcache's
 TARGET_THROUGHPUT_VS_CB = 2.0  # output tokens/s at the most sessions, at least this multiple
 TARGET_CACHED_SHARE = 0.95  # cached tokens of the ideal on every turn after the first
 TARGET_TAIL = 1.2  # cached-turn TTFT p99 at most this multiple of its p50, at the most sessions
+TARGET_TTFT_VS_LLAMA = 1.0  # one session: cached-turn TTFT below llama-server's, every configuration
+TARGET_DECODE_VS_LLAMA = 0.5  # one session: decode at least this share of llama-server's (the floor)
+TARGET_TURN_VS_LLAMA = 1.0  # one session: a cached turn no slower than llama-server's (the goal)
 
 
 def phase_rows(phase) -> list[tuple]:
@@ -69,13 +72,42 @@ def worst_cached_share(phase):
     return min(shares) if shares else None
 
 
-SUMMARY_HEADER = ("server", "sessions", "calls", "TTFT turns 2+ ms", "p99 ms", "out tok/s", "wall s", "note")
+SUMMARY_HEADER = ("server", "sessions", "calls", "TTFT turn 1 ms", "TTFT turns 2+ ms", "p99 ms",
+                  "decode tok/s per session", "turn 2+ s", "out tok/s", "wall s", "note")
+
+
+def decode_rate(call):
+    """A call's own decode rate: its tokens after the first over the time from the first to the end."""
+    if not call.ok or call.ttft_s is None or call.completion_tokens < 2:
+        return None
+    span = call.done - call.started - call.ttft_s
+    return (call.completion_tokens - 1) / span if span > 0 else None
+
+
+def turn_seconds(call):
+    """A cached turn's whole latency (sent to the last token), or None for turn 1 or a failed call."""
+    return call.done - call.started if call.ok and call.turn > 1 and call.done is not None else None
+
+
+def median_of(phase, measure):
+    """The median of ``measure(call)`` over ``phase``'s calls (None values left out), or None."""
+    if phase is None:
+        return None
+    return median([v for c in phase.calls if (v := measure(c)) is not None])
 
 
 def summary_rows(phases) -> list[tuple]:
-    return [(p.server, str(p.sessions), str(sum(c.ok for c in p.calls)), fmt(cached_turn_ttft_ms(p), ",.0f"),
-             fmt(percentile(cached_turn_ttfts_ms(p), 99), ",.0f"), fmt(throughput(p), ".1f"), f"{p.wall_s:.1f}",
-             p.note or "-") for p in phases]
+    """Per phase: turn-1 TTFT p50, cached-turn TTFT p50 and p99, the median call's decode rate, a
+    cached turn's whole latency p50 (sent to the last token), total output tokens/s, wall time."""
+    rows = []
+    for p in phases:
+        first = [c.ttft_s * 1e3 for c in p.calls if c.ok and c.turn == 1 and c.ttft_s is not None]
+        rows.append((p.server, str(p.sessions), str(sum(c.ok for c in p.calls)), fmt(median(first), ",.0f"),
+                     fmt(cached_turn_ttft_ms(p), ",.0f"), fmt(percentile(cached_turn_ttfts_ms(p), 99), ",.0f"),
+                     fmt(median_of(p, decode_rate), ".1f"), fmt(median_of(p, turn_seconds), ".2f"),
+                     fmt(throughput(p), ".1f"),
+                     f"{p.wall_s:.1f}", p.note or "-"))
+    return rows
 
 
 def target_rows(phases, inprocess_ms) -> list[tuple]:
@@ -98,9 +130,20 @@ def target_rows(phases, inprocess_ms) -> list[tuple]:
     tail = tail_ratio(find("radixcache", most))
     rows.append((f"cached-turn TTFT p99 / p50 ({most} sessions)", fmt(tail, ".2f") + "x", f"<= {TARGET_TAIL}x",
                  met(tail, TARGET_TAIL)))
-    if any(p.server == "llama-server" for p in phases):  # the CPU anchor: side by side, no target
-        rows.append((f"cached-turn TTFT vs llama-server ({one} session)",
-                     fmt(ratio(radix, cached_turn_ttft_ms(find("llama-server", one))), ".2f") + "x", "-", "-"))
+    llama = find("llama-server", one)
+    if llama is not None:  # the CPU anchor, one agent session: each radixcache configuration against it
+        for config in sorted({p.server for p in phases if p.server.startswith("radixcache") and "[" not in p.server}):
+            mine = find(config, one)
+            versus = ratio(cached_turn_ttft_ms(mine), cached_turn_ttft_ms(llama))
+            rows.append((f"cached-turn TTFT vs llama-server: {config} ({one} session)", fmt(versus, ".2f") + "x",
+                         f"< {TARGET_TTFT_VS_LLAMA}x", met(versus, TARGET_TTFT_VS_LLAMA)))
+            versus = ratio(median_of(mine, decode_rate), median_of(llama, decode_rate))
+            rows.append((f"decode vs llama-server: {config} ({one} session)", fmt(versus, ".2f") + "x",
+                         f">= {TARGET_DECODE_VS_LLAMA}x", met(versus, TARGET_DECODE_VS_LLAMA, below=False)))
+            versus = ratio(median_of(mine, turn_seconds), median_of(llama, turn_seconds))
+            rows.append((f"cached turn, sent to last token, vs llama-server: {config} ({one} session)",
+                         fmt(versus, ".2f") + "x", f"<= {TARGET_TURN_VS_LLAMA}x (goal)",
+                         met(versus, TARGET_TURN_VS_LLAMA)))
         rows.append((f"output tok/s vs llama-server ({most} sessions)",
                      fmt(ratio(throughput(find("radixcache", most)), throughput(find("llama-server", most))), ".2f")
                      + "x", "-", "-"))
