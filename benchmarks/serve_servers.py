@@ -4,14 +4,17 @@
 dtype and the most sessions at once), ``DEFAULT_SERVERS`` is the order of the tables and
 ``unavailable(name, model_dir)`` says why a server cannot run here (None: it can):
 
-- ``radixcache``: ``radixcache serve`` at ``--dtype``;
+- ``radixcache``: ``radixcache serve`` at ``--dtype``; ``radixcache+compile``, ``radixcache+int8``
+  and ``radixcache+compile+int8`` add ``--compile`` and / or ``--quantize int8``,
+  ``radixcache+inplace`` ``--attention torch-inplace`` (each its own row);
 - ``transformers`` and ``transformers-cb``: ``transformers serve`` (without and with
   ``--continuous-batching``) at ``--dtype``;
 - ``llama-server``: llama.cpp's server, when ``llama-server`` is on PATH, on the GGUF file the
   embedded model was converted from (``radixcache.models.find_default_gguf``; Q4_1 weights, so its
-  precision is not the others'), with one slot per session sharing one unified KV pool of 4,096
-  tokens per slot (a session needs about 2,300), prompt caching on (its default) and ``--no-repack`` (its repacked AMX path
-  crashes on some CPUs with AMX).
+  precision is not the others'), started anew for every phase (``PER_PHASE``) with one slot per
+  session sharing one unified KV pool of 4,096 tokens per slot (a session needs about 2,300), or
+  for one session as a user with one agent starts it (``-np 1 -c 8192``), prompt caching on (its
+  default) and ``--no-repack`` (its repacked AMX path crashes on some CPUs with AMX).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 LLAMA_CONTEXT_PER_SLOT = 4096  # a session of the workload needs about 2,300
+LLAMA_CONTEXT_ONE_SLOT = 8192  # one agent session: the set-up a user with one agent picks
 
 
 class Run:
@@ -64,9 +68,14 @@ def gguf_source(model_dir) -> Source | None:
     return Source(gguf, gguf.stem.rsplit(".", 1)[-1])
 
 
-def radixcache_command(model_dir, port: int, run: Run) -> list[str]:
+def radixcache_command(model_dir, port: int, run: Run, *options: str) -> list[str]:
     return [_exe("radixcache") or "radixcache", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning", "--dtype", run.dtype]
+            "--port", str(port), "--log-level", "warning", "--dtype", run.dtype, *options]
+
+
+def radixcache_configured(*options: str):
+    """A builder of ``radixcache serve`` with ``options`` (``--compile``, ``--quantize int8``)."""
+    return lambda model_dir, port, run: radixcache_command(model_dir, port, run, *options)
 
 
 def transformers_command(model_dir, port: int, run: Run) -> list[str]:
@@ -81,14 +90,21 @@ def transformers_cb_command(model_dir, port: int, run: Run) -> list[str]:
 def llama_server_command(model_dir, port: int, run: Run) -> list[str]:
     source = gguf_source(model_dir)
     slots = max(1, run.max_sessions)
+    pool = ["-np", "1", "-c", str(LLAMA_CONTEXT_ONE_SLOT)] if slots == 1 else \
+        ["-np", str(slots), "-kvu", "-c", str(slots * LLAMA_CONTEXT_PER_SLOT)]
     return [_exe("llama-server"), "-m", str(source.path), "-a", Path(model_dir).name, "--host", "127.0.0.1",
-            "--port", str(port), "--no-repack", "-np", str(slots), "-kvu", "-c",
-            str(slots * LLAMA_CONTEXT_PER_SLOT), "-t", str(threads()), "--no-webui"]
+            "--port", str(port), "--no-repack", *pool, "-t", str(threads()), "--no-webui"]
 
 
-SERVERS = {"radixcache": radixcache_command, "transformers": transformers_command,
-           "transformers-cb": transformers_cb_command, "llama-server": llama_server_command}
-DEFAULT_SERVERS = tuple(SERVERS)
+SERVERS = {"radixcache": radixcache_command, "radixcache+compile": radixcache_configured("--compile"),
+           "radixcache+int8": radixcache_configured("--quantize", "int8"),
+           "radixcache+compile+int8": radixcache_configured("--compile", "--quantize", "int8"),
+           "radixcache+inplace": radixcache_configured("--attention", "torch-inplace"),
+           "transformers": transformers_command, "transformers-cb": transformers_cb_command,
+           "llama-server": llama_server_command}
+DEFAULT_SERVERS = ("radixcache", "transformers", "transformers-cb", "llama-server")
+PER_PHASE = {"llama-server"}  # started anew for each number of sessions, sized for it
+COMPILING = {"radixcache+compile", "radixcache+compile+int8"}  # start-up compiles: minutes
 
 
 def unavailable(name: str, model_dir) -> str | None:
@@ -106,4 +122,4 @@ def precision(name: str, model_dir, dtype: str) -> str:
     if name == "llama-server":
         source = gguf_source(model_dir)
         return f"{source.quantization} GGUF" if source else "-"
-    return dtype
+    return f"{dtype} (int8 weights)" if name.endswith("+int8") else dtype

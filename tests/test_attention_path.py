@@ -22,6 +22,7 @@ class Counting(TorchBackend):
     """The torch backend, counting its per-layer calls and the query rows it attends."""
 
     def __init__(self):
+        super().__init__()
         self.calls = 0
         self.rows = 0
 

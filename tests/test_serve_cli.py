@@ -213,3 +213,23 @@ def test_serve_quantize_logs_the_greedy_agreement_and_serves(tmp_path):
     finally:
         server.stop()
 
+
+
+def test_serve_attention_torch_inplace_says_its_backend_and_serves(tmp_path):
+    """--attention torch-inplace: the start-up summary names the backend, decodes read the pool in
+    place, and a chat completion streams its tokens."""
+    from radixcache.attention import paged_cpu
+
+    if paged_cpu.kernel() is None:
+        pytest.skip(f"no in-place kernel here: {paged_cpu.unavailable_reason()}")
+    model = write_model_dir(tmp_path / "tiny", weights=True)
+    server = ServeProcess(model, "--max-cache-tokens", "2048", "--dtype", "bfloat16", "--threads", "1",
+                          "--attention", "torch-inplace")
+    try:
+        assert "torch-inplace" in server.output, server.output
+        with server.client() as client:
+            reply = client.chat.completions.create(model="tiny", max_tokens=5, temperature=0,
+                                                   messages=[{"role": "user", "content": "Tell me about rivers."}])
+        assert reply.usage.completion_tokens >= 1
+    finally:
+        server.stop()

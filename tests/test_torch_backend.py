@@ -1,4 +1,5 @@
-"""The torch paged-attention backend against a naive per-query reference (end-aligned causal mask)."""
+"""The torch paged-attention backend's gather path against a naive per-query reference (end-aligned
+causal mask); the in-place kernel has its own tests (test_paged_cpu.py)."""
 
 import math
 
@@ -51,8 +52,8 @@ def build(seed, shared_blocks, tails, prefills, bs=4, kv_heads=2, heads=4, dim=8
 
 
 def check(pool, segments, query, scale=0.35, **kw):
-    plan = StepPlan(pool, segments, TorchBackend())
-    out = TorchBackend().attend(0, query, plan, scale, **kw)
+    plan = StepPlan(pool, segments, TorchBackend(in_place=False))
+    out = TorchBackend(in_place=False).attend(0, query, plan, scale, **kw)
     for seg in segments:
         keys, values = pool.read(0, pool.rows_for(seg.blocks, 0, seg.kv_len))
         for i in range(seg.q_len):
@@ -87,11 +88,11 @@ def test_a_prompt_with_nothing_before_it_attends_over_what_it_wrote(seed, tails,
     g = torch.Generator().manual_seed(seed + 1)
     tokens = segments[-1].q_start + segments[-1].q_len
     query = torch.randn(tokens, 4, 8, generator=g)
-    plan = StepPlan(pool, segments, TorchBackend())
+    plan = StepPlan(pool, segments, TorchBackend(in_place=False))
     plan.write(0, torch.randn(tokens, 2, 8, generator=g), torch.randn(tokens, 2, 8, generator=g))
     with pytest.MonkeyPatch.context() as monkeypatch:
         gathered = spy_prefill_gathers(monkeypatch)
-        out = TorchBackend().attend(0, query, plan, 0.35, sliding_window=window, softcap=softcap)
+        out = TorchBackend(in_place=False).attend(0, query, plan, 0.35, sliding_window=window, softcap=softcap)
     for index, (_, seg) in enumerate(plan.backend_state.prefills):
         assert (index in gathered) == (seg.kv_len > seg.q_len), seg  # only a cached prefix is read
     for seg in segments:
@@ -119,11 +120,11 @@ def test_an_fp8_pool_attends_over_what_it_stored_not_what_it_was_handed(monkeypa
     """In an fp8 pool the stored K/V differ from the computed ones: a fresh prompt reads the pool,
     as its later turns will."""
     pool, segments, _ = build(3, 0, [], [(6, 6)], kv_dtype="fp8")
-    plan = StepPlan(pool, segments, TorchBackend())
+    plan = StepPlan(pool, segments, TorchBackend(in_place=False))
     plan.write(0, torch.randn(6, 2, 8), torch.randn(6, 2, 8))
     assert plan.written(0) is None
     gathered = spy_prefill_gathers(monkeypatch)
-    TorchBackend().attend(0, torch.randn(6, 4, 8), plan, 0.35)
+    TorchBackend(in_place=False).attend(0, torch.randn(6, 4, 8), plan, 0.35)
     assert gathered == [0]
 
 
@@ -196,10 +197,10 @@ def test_low_precision_pools_stay_close(kv_dtype):
     """bf16 and fp8 pools dequantize to the compute dtype; attention stays close to fp32."""
     pool32, segments, query = build(2, 3, [2, 6], [(4, 12)])
     pool_lp, _, _ = build(2, 3, [2, 6], [(4, 12)], kv_dtype=kv_dtype)
-    plan32 = StepPlan(pool32, segments, TorchBackend())
-    plan_lp = StepPlan(pool_lp, segments, TorchBackend())
-    a = TorchBackend().attend(0, query, plan32, 0.35)
-    b = TorchBackend().attend(0, query, plan_lp, 0.35)
+    plan32 = StepPlan(pool32, segments, TorchBackend(in_place=False))
+    plan_lp = StepPlan(pool_lp, segments, TorchBackend(in_place=False))
+    a = TorchBackend(in_place=False).attend(0, query, plan32, 0.35)
+    b = TorchBackend(in_place=False).attend(0, query, plan_lp, 0.35)
     tol = 0.03 if kv_dtype == "bf16" else 0.25
     assert (a - b).abs().max() < tol
 
@@ -208,7 +209,7 @@ def test_attend_reads_nothing_back_to_the_host(monkeypatch):
     """Per layer, the backend makes no host sync: no .item()/.tolist()/int()/float()/bool() of a
     tensor (on CUDA each would stall the stream once per layer)."""
     pool, segments, query = build(3, 4, [3, 5, 1, 8], [(4, 12), (2, 9)])
-    plan = StepPlan(pool, segments, TorchBackend())
+    plan = StepPlan(pool, segments, TorchBackend(in_place=False))
 
     def sync(*args, **kwargs):
         raise AssertionError("host sync inside attend")
@@ -216,7 +217,7 @@ def test_attend_reads_nothing_back_to_the_host(monkeypatch):
     for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, sync)
     for window, softcap in ((None, None), (3, None), (None, 5.0)):
-        TorchBackend().attend(0, query, plan, 0.35, sliding_window=window, softcap=softcap)
+        TorchBackend(in_place=False).attend(0, query, plan, 0.35, sliding_window=window, softcap=softcap)
 
 
 def test_a_step_sends_no_per_position_list_to_the_device(monkeypatch):
@@ -243,8 +244,8 @@ def test_a_step_sends_no_per_position_list_to_the_device(monkeypatch):
     for q_len, kv_len in [(1, 1000)] * 4 + [(600, 1000)]:
         segments.append(Segment(start, q_len, kv_len, tuple(next(blocks) for _ in range(-(-kv_len // bs)))))
         start += q_len
-    plan = StepPlan(pool, segments, TorchBackend())
-    TorchBackend().attend(0, torch.randn(start, 4, 8), plan, 0.35)
+    plan = StepPlan(pool, segments, TorchBackend(in_place=False))
+    TorchBackend(in_place=False).attend(0, torch.randn(start, 4, 8), plan, 0.35)
     assert 0 < sum(copied) <= 5 * 3 + 5 * 63 + 10  # offsets and lengths, the block table
     want = torch.cat([pool.rows_for(s.blocks, s.kv_len - s.q_len, s.kv_len) for s in segments])
     assert torch.equal(plan.write_rows, want)

@@ -16,6 +16,7 @@ import os
 import time
 
 from radixcache.attention import resolve_backend
+from radixcache.attention.select import NAMES as ATTENTION_NAMES
 from radixcache.engine import Engine
 from radixcache.engine.request import request_namespace
 from radixcache.integrations.hf import batch as batch_path
@@ -41,8 +42,8 @@ def validate_wrap_arguments(model, block_size, max_cache_tokens, attention, mode
     """``TypeError``/``ValueError`` naming the first bad argument of ``wrap()``, before any work."""
     if not hasattr(model, "generate") or not hasattr(model, "config"):
         raise TypeError("wrap() takes a transformers PreTrainedModel with a generate() method")
-    if attention not in ("auto", "torch", "flashinfer"):
-        raise ValueError(f"attention must be 'auto', 'torch' or 'flashinfer', got {attention!r}")
+    if attention not in ATTENTION_NAMES:
+        raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION_NAMES))}, got {attention!r}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if model_id is not None and (not isinstance(model_id, str) or not model_id):
@@ -61,7 +62,8 @@ def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dt
 
     ``max_cache_tokens`` sizes the KV pool (default: 25% of available RAM on CPU, 50% of free GPU
     memory on CUDA); ``kv_dtype`` is the pool's storage dtype (default the model's; "fp8" for
-    e4m3); ``attention`` picks the backend ("auto", "torch" or "flashinfer"); ``model_id`` names
+    e4m3); ``attention`` picks the backend ("auto", "torch", "torch-inplace": decodes read the
+    pool in place on CPU, tokens may part from plain generate's in the last bits, or "flashinfer"); ``model_id`` names
     the weights (default: a digest of config and sampled weights, see ``model_identity``).
     ``store``: a shared KV tier, a ``redis://`` / ``rediss://`` URL (password or ACL user in the
     URL; ``?ttl=`` seconds) or any ``radixcache.store.BlockStore``; blocks committed here are

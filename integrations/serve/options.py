@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only int8 (torchao, radixcache's [quantize] extra): fewer bytes per token, "
                              "changed tokens (the greedy agreement on a probe is logged); on a CPU it pays with "
                              "--compile only")
+    parser.add_argument("--attention", choices=("auto", "torch", "torch-inplace", "flashinfer"), default="auto",
+                        help="the attention backend (default auto: FlashInfer on CUDA where installed, else torch); "
+                             "torch-inplace: on CPU, decodes read the KV pages where they lie (faster with many "
+                             "sessions; tokens may part from plain generate's in the last bits)")
     parser.add_argument("--max-cache-tokens", type=positive_int, metavar="N", default=None,
                         help="KV pool size in tokens (default: 25%% of free RAM on CPU, 50%% of free GPU memory)")
     parser.add_argument("--block-size", type=positive_int, metavar="N", default=16,
@@ -124,6 +128,7 @@ class ServeOptions:
     threads: int | None = None  # None: radixcache.compute_threads.default_threads()
     compile: bool = False  # the engine's steps through torch.compile
     quantize: str | None = None  # "int8": weight-only, radixcache.quantize
+    attention: str = "auto"  # radixcache.attention.resolve_backend's name
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     max_cache_tokens: int | None = None
@@ -221,6 +226,7 @@ class ServeOptions:
                 raise ValueError(f"--log-token-ids {log_file}: no such directory {log_file.parent}")
         return cls(model=model, dtype=getattr(args, "dtype", "auto"), threads=getattr(args, "threads", None),
                    compile=getattr(args, "compile", False), quantize=getattr(args, "quantize", None),
+                   attention=getattr(args, "attention", "auto"),
                    host=args.host, port=args.port, max_cache_tokens=args.max_cache_tokens,
                    block_size=args.block_size, chat_template=template,
                    served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),

@@ -157,7 +157,8 @@ def load_engine(options: ServeOptions, info):
                                      allow_remote=options.kv_events_allow_remote)
     try:
         lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens,
-                             store=store_url(options), kv_events=publisher, compile=options.compile)
+                             store=store_url(options), kv_events=publisher, compile=options.compile,
+                             attention=options.attention)
     except BaseException:
         if publisher is not None:
             publisher.close()

@@ -8,19 +8,21 @@ import torch
 
 from radixcache.errors import CacheError
 
-NAMES = ("auto", "torch", "flashinfer")
+NAMES = ("auto", "torch", "torch-inplace", "flashinfer")
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
                     storage_dtype: torch.dtype | None = None):
-    """The attention backend for ``name`` ("auto", "torch" or "flashinfer") on ``device``.
+    """The attention backend for ``name`` ("auto", "torch", "torch-inplace" or "flashinfer") on
+    ``device``; "torch-inplace" is the torch backend with decodes reading the pool in place on CPU
+    (``TorchBackend(in_place=True)``).
 
     "auto" picks FlashInfer on CUDA when it is installed and can serve the model's dtype (fp16 or
     bf16 compute, a pool of the same dtype or fp8), the torch reference otherwise. Raises
     ``ValueError`` for an unknown name and ``CacheError`` when "flashinfer" cannot run here.
     """
     if name not in NAMES:
-        raise ValueError(f"attention must be 'auto', 'torch' or 'flashinfer', got {name!r}")
+        raise ValueError(f"attention must be one of {', '.join(map(repr, NAMES))}, got {name!r}")
     device = torch.device(device)
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
     half = (torch.float16, torch.bfloat16)
@@ -36,4 +38,4 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None =
         return FlashInferBackend(device)
     from radixcache.attention.torch_backend import TorchBackend
 
-    return TorchBackend()
+    return TorchBackend(in_place=name == "torch-inplace", device=device)

@@ -14,6 +14,15 @@ does (``StepPlan.written``; not for an fp8 pool, whose stored K/V differ). Decod
 whole blocks (a system prompt) read them once per layer and merge with their own tails by
 log-sum-exp (cascade); on CPU both halves run on torch's fused flash kernel in the model's dtype
 (``attend_with_lse``).
+
+``TorchBackend(in_place=True)`` (``attention="torch-inplace"``): on CPU, decodes read their K/V
+in place through the small C++ kernel of ``paged_cpu`` (no gather; no cascade, except in half
+precision, where reading a shared prefix once still wins), with a pool stored in the compute dtype
+(float32, bfloat16, float16; not fp8). It is not the default: the gather feeds SDPA exactly the
+tensors plain transformers' ``DynamicCache`` would, so greedy tokens equal plain ``generate``'s
+bit for bit, while the kernel sums in another order (differences of 1e-7 in float32, of the last
+bit in bfloat16, that flip a near-tie). Prefills over a cached prefix stay on gather + SDPA (a GEMM
+per head beats the kernel's per-query loop there).
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixcache.attention import paged_cpu
 from radixcache.attention.plan import StepPlan, device_tensor, shared_blocks
+from radixcache.errors import CacheError
 
 
 # torch's fused CPU flash attention, which also returns the log-sum-exp (None if this torch lacks it)
@@ -107,7 +118,8 @@ class TorchStepState:
     ``prefills``: (index in the step, segment) of every multi-token segment, and
     ``prefill_context(i)``, the ``Context`` of prefill i's whole K/V, built on first use (a
     prefill with nothing before it attends over the K/V it was handed, ``StepPlan.written``). The
-    single-token (decode) segments are served together: ``decode_q`` (their packed offsets; None
+    single-token (decode) segments are served together, by ``kernel`` in place where it is set
+    (``in_place_decodes``: their segments as the kernel reads them), else gathered: ``decode_q`` (their packed offsets; None
     when every segment decodes, segment i at packed row i), ``decode_lens`` (their KV lengths;
     ``max_decode_len`` on the host, and ``same_lengths``: all of them equal), ``shared_len`` (tokens of the leading whole blocks every
     decode segment has in common, e.g. a shared system prompt, read once: cascade style), and
@@ -116,7 +128,7 @@ class TorchStepState:
     window and dtype and kept for the step's other layers.
     """
 
-    def __init__(self, step: StepPlan):
+    def __init__(self, step: StepPlan, kernel=None):
         pool = self.pool = step.pool
         device = pool.device
         self.table = step.block_table
@@ -140,6 +152,15 @@ class TorchStepState:
             packed = device_tensor(index + [s.q_start for s in decodes], device)
             self.decode_seq, self.decode_q = packed[:n], packed[n:]
         self.decode_lens = step.kv_lens[self.decode_seq]
+        # the in-place kernel and its decode segments (q_start, 1, kv_len, table row), or None; in
+        # half precision a shared prefix read once (cascade) beats reading it per sequence in place
+        self.kernel = self.in_place_decodes = None
+        cascade = self.shared_len > 0 and pool.dtype != torch.float32
+        if n and kernel is not None and not cascade and pool.storage_dtype == pool.dtype \
+                and pool.dtype in IN_PLACE_DTYPES:
+            self.kernel = kernel
+            self.in_place_decodes = torch.tensor(
+                [(segments[i].q_start, 1, segments[i].kv_len, i) for i in index], dtype=torch.long)
         self._contexts: dict = {}
         self._masks: dict = {}
 
@@ -201,23 +222,49 @@ def _as(mask: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-class TorchBackend:
-    """Paged attention in plain torch: the reference every other backend is tested against."""
+IN_PLACE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-    name = "torch"
+
+class TorchBackend:
+    """Paged attention in plain torch: the reference every other backend is tested against.
+
+    ``in_place=True``: decodes on a CPU pool read their K/V in place through ``paged_cpu``'s
+    kernel (built here, at construction: a start-up cost once per machine, then cached), or
+    ``CacheError`` where it cannot build or the device is not a CPU. Tokens may part from plain
+    ``generate``'s in the last bits (see the module docstring)."""
+
+    def __init__(self, in_place: bool = False, device="cpu"):
+        self.kernel = None
+        self.name = "torch-inplace" if in_place else "torch"
+        if in_place:
+            if torch.device(device).type != "cpu":
+                raise CacheError("attention='torch-inplace' reads the pool in place on a CPU only")
+            self.kernel = paged_cpu.kernel()
+            if self.kernel is None:
+                raise CacheError("attention='torch-inplace' needs the kernel of "
+                                 f"radixcache.attention.paged_cpu, which cannot build here "
+                                 f"({paged_cpu.unavailable_reason()})")
 
     def plan(self, step: StepPlan) -> TorchStepState:
         """Build the step's gather plans once; every layer reuses them."""
-        return TorchStepState(step)
+        kernel = self.kernel if step.pool.device.type == "cpu" else None
+        return TorchStepState(step, kernel)
 
     def attend(self, layer: int, query: torch.Tensor, plan: StepPlan, scale: float,
                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """``query [T, H, head_dim]`` (packed new tokens) -> attention output ``[T, H, head_dim_v]``."""
         pool = plan.pool
         state = plan.backend_state
-        if state.decode_q is None:  # a pure decode step: no scatter into a packed output
+        if state.kernel is not None:  # every decode at once, in place; prefills fill their rows below
+            out = state.kernel.paged_attention(query, pool.keys[layer], pool.values[layer], state.table,
+                                               state.in_place_decodes, scale, sliding_window or 0,
+                                               float(softcap or 0.0))
+            if state.decode_q is None:
+                return out
+        elif state.decode_q is None:  # a pure decode step: no scatter into a packed output
             return self._decode(layer, query, pool, state, scale, sliding_window, softcap)
-        out = query.new_empty(*query.shape[:2], pool.head_dim_v)
+        else:
+            out = query.new_empty(*query.shape[:2], pool.head_dim_v)
         mask_dtype = None if softcap else query.dtype
         written = plan.written(layer)
         for i, (_, seg) in enumerate(state.prefills):
@@ -231,7 +278,7 @@ class TorchBackend:
                 o = attend_dense(q, k, v, state.prefill_mask(i, sliding_window, mask_dtype), scale,
                                  softcap)
             out[rows] = o[0].transpose(0, 1)
-        if state.num_decodes:
+        if state.num_decodes and state.kernel is None:
             out[state.decode_q] = self._decode(layer, query[state.decode_q], pool, state, scale,
                                                sliding_window, softcap)
         return out
