@@ -137,13 +137,13 @@ class ServeProcess:
     printed so far (read as it comes). ``wait(timeout)`` waits for its exit code; ``stop()`` kills it
     if it still runs and returns its whole output."""
 
-    def __init__(self, model_dir, *args: str, startup_s: float = 120.0):
+    def __init__(self, model_dir, *args: str, startup_s: float = 120.0, env: dict | None = None):
         import httpx
 
         with free_socket() as sock:
             self.port = sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "radixcache.app.cli", "serve", "--model", str(model_dir),
                                       "--port", str(self.port), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

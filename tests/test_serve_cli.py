@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -184,13 +185,20 @@ def test_serve_compile_compiles_at_start_up_and_says_how_long(tmp_path):
     messages = [{"role": "user", "content": "Tell me about rivers."}]
     replies = []
     for flags in ((), ("--compile",)):
-        server = ServeProcess(model, "--max-cache-tokens", "2048", "--dtype", "float32", "--threads", "1", *flags)
+        # two threads: the scheduler's count differs from the loading thread's (serial)
+        server = ServeProcess(model, "--max-cache-tokens", "2048", "--dtype", "float32", "--threads", "2", *flags,
+                              env={"TORCH_LOGS": "recompiles"})
         try:
-            with server.client() as client:
-                replies.append(client.chat.completions.create(model="tiny", max_tokens=6, temperature=0,
-                                                              messages=messages).choices[0].message.content)
             compiled = re.search(r"compile: the engine's step compiled in ([0-9.]+) s", server.output)
             assert (compiled is not None) == bool(flags), server.output
+            started = len(server.output)
+            with server.client() as client:
+                for n in (1, 2):  # one sequence, then two at once: every shape class
+                    chats = [client.chat.completions.create(model="tiny", max_tokens=6, temperature=0, n=n,
+                                                            messages=messages)]
+                replies.append(chats[0].choices[0].message.content)
+            time.sleep(0.5)
+            assert "Recompiling" not in server.output[started:], server.output[started:]  # never on a request
         finally:
             server.stop()
     assert replies[0] == replies[1]
