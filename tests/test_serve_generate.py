@@ -8,6 +8,7 @@ After every test the engine must hold nothing (the end-of-test leak check covers
 test made; ``client`` checks the module's server).
 """
 
+import asyncio
 import json
 import threading
 import time
@@ -325,6 +326,31 @@ def test_a_model_the_engine_cannot_serve_is_refused():
     lm = radixcache.wrap(gpt_oss(), block_size=4, max_cache_tokens=512)
     with pytest.raises(ValueError, match="cannot run on radixcache's engine: .*s_aux"):
         LocalEngine(lm)
+
+
+def test_prepare_runs_on_the_scheduler_thread_with_its_threads_before_any_step():
+    """``prepare`` (the server's --compile) runs on the scheduler thread after its thread count is
+    set, before the constructor returns; what it raises comes out of the constructor."""
+    import torch
+
+    import radixcache
+    from radixcache.integrations.serve.engine.local import LocalEngine
+    from tiny_models import tiny_model
+
+    lm = radixcache.wrap(tiny_model("llama"), block_size=4, max_cache_tokens=512)
+    seen = []
+    engine = LocalEngine(lm, compute_threads=2,
+                         prepare=lambda: seen.append((threading.current_thread().name, torch.get_num_threads())))
+    try:
+        assert seen == [("radixcache-scheduler", 2)]
+    finally:
+        asyncio.run(engine.close())
+
+    def fails():
+        raise RuntimeError("no C++ compiler")
+
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        LocalEngine(lm, prepare=fails)
 
 
 def test_a_prompt_outside_the_vocabulary_is_a_400_naming_the_id_and_the_field(served, client):

@@ -16,6 +16,7 @@ import os
 import time
 
 from radixcache.attention import resolve_backend
+from radixcache.errors import CacheError
 from radixcache.attention.select import NAMES as ATTENTION_NAMES
 from radixcache.engine import Engine
 from radixcache.engine.request import request_namespace
@@ -123,6 +124,7 @@ class CachedLM:
         self._engine = None
         self.pool = self.backend = self.runner = None
         self.compile_s = self.compile_failed = None
+        self._make_pool = None  # probe pools of this wrapper's geometry (the self-tests')
         # decided before any pool exists: a model no path can serve gets none
         self.unsupported = self.engine_unsupported = unsupported_reason(model)
         if self.unsupported is None:
@@ -135,10 +137,10 @@ class CachedLM:
                 reason = f"the paged KV path cannot serve this model: {e}"
                 self.unsupported = self.engine_unsupported = reason
             else:
-                make_pool = pool_maker(geometry, block_size, self.dtype, self.device, kv_dtype)
+                make_pool = self._make_pool = pool_maker(geometry, block_size, self.dtype, self.device, kv_dtype)
                 self.unsupported, self.engine_unsupported = run_self_tests(self, make_pool)
                 if compile and self.engine_unsupported is None:
-                    self._compile_engine_step(make_pool)
+                    self.compile_engine()
         if self.unsupported and self.engine_unsupported:
             self.manager = CacheManager(1, block_size)  # the ledger (fallbacks) only: no pool
         else:
@@ -157,9 +159,16 @@ class CachedLM:
             self.manager.close()
             raise
 
-    def _compile_engine_step(self, make_pool) -> None:
-        """Compile the runner's step on the self-test's probe (every shape class it meets in
-        service) and keep it only where the engine's self-test passes through it."""
+    def compile_engine(self) -> None:
+        """Compile the engine's step now, on the self-test's probe (every shape class it meets in
+        service), and keep it only where the engine's self-test passes through it (else
+        ``compile_failed`` says why and the engine stays eager); ``compile_s`` is the time it took.
+        torch guards compiled graphs on the calling thread's thread count: call it on the thread
+        that will step the engine (``wrap(compile=True)`` calls it on the wrapping thread; the
+        server on its scheduler thread). Precondition: the engine can serve this model."""
+        if self.engine_unsupported is not None:
+            raise CacheError(f"nothing to compile: the engine cannot serve this model ({self.engine_unsupported})")
+        make_pool = self._make_pool
         if not hooked(self.model):
             self.compile_failed = "its attention does not reach radixcache's hook (it runs dense): nothing to compile"
             logger.warning("radixcache: compile=True: %s; the engine runs eagerly", self.compile_failed)

@@ -134,12 +134,12 @@ def load_engine(options: ServeOptions, info):
     endpoint that cannot be bound raises ``ValueError``) apply. The model is loaded on this thread
     with torch's kernels serial, and the engine's scheduler thread gets the threads torch would have
     used (``radixcache.compute_threads``: a second OpenMP pool would slow every kernel); with
-    ``--compile`` the step is compiled here on the scheduler's thread count (torch's compiled
-    graphs are guarded on it), then this thread is serial again."""
+    ``--compile`` the scheduler thread compiles the step before its first (torch guards compiled
+    graphs on the thread count they were traced with)."""
     import torch
 
     import radixcache
-    from radixcache.compute_threads import default_threads, parallel_here, serial_here
+    from radixcache.compute_threads import default_threads, serial_here
     from radixcache.integrations.serve.engine.local import LocalEngine
     from radixcache.models import load_model
 
@@ -157,26 +157,23 @@ def load_engine(options: ServeOptions, info):
 
         publisher = KVEventPublisher(options.kv_events, topic=options.kv_events_topic,
                                      allow_remote=options.kv_events_allow_remote)
-    if options.compile:  # compiled graphs are guarded on the thread count they were traced with
-        parallel_here(threads)  # the scheduler's, or every shape class would compile again on a request
     try:
         lm = radixcache.wrap(model, block_size=options.block_size, max_cache_tokens=options.max_cache_tokens,
-                             store=store_url(options), kv_events=publisher, compile=options.compile,
-                             attention=options.attention)
+                             store=store_url(options), kv_events=publisher, attention=options.attention)
     except BaseException:
         if publisher is not None:
             publisher.close()
         raise
-    finally:
-        serial_here()
     if lm.engine_unsupported:  # the self-tests ruled the engine out: refuse rather than risk a token
         lm.close()
         raise ValueError(f"{options.model or 'the model'} cannot run on radixcache's engine: "
                          f"{lm.engine_unsupported}")
     engine = lm.new_engine(max_running=options.max_running)
     # room for one history precompute per request in flight: those are never what a client waits on
+    # --compile: on the scheduler thread, whose thread count torch guards the compiled graphs on
     return LocalEngine(lm, engine, max_requests=2 * options.max_in_flight,
-                       max_context_tokens=info.max_context_tokens, close_lm=True, compute_threads=threads)
+                       max_context_tokens=info.max_context_tokens, close_lm=True, compute_threads=threads,
+                       prepare=lm.compile_engine if options.compile else None)
 
 
 def store_url(options: ServeOptions) -> str | None:

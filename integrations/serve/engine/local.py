@@ -127,11 +127,14 @@ class LocalEngine:
     wrap-time self-tests ruled the engine out (``lm.engine_unsupported``) raises ``ValueError``.
     ``close_lm``: ``close()`` also closes ``lm`` (flushing its store). ``compute_threads`` (None:
     leave torch's choice): the scheduler thread runs torch's CPU kernels on that many threads. See
-    the module docstring for the threads.
+    the module docstring for the threads. ``prepare`` (None: nothing) runs on the scheduler thread,
+    with its threads set, before its first step (``lm.compile_engine``: compiled graphs are guarded
+    on the thread count they were traced with); the constructor returns after it and re-raises
+    what it raised.
     """
 
     def __init__(self, lm, engine=None, *, max_requests: int = 1024, max_context_tokens: int | None = None,
-                 close_lm: bool = False, compute_threads: int | None = None):
+                 close_lm: bool = False, compute_threads: int | None = None, prepare=None):
         if not isinstance(max_requests, int) or max_requests < 1:
             raise ValueError(f"max_requests must be an int >= 1, got {max_requests!r}")
         if lm.engine_unsupported:  # never serve tokens the engine cannot get right
@@ -153,8 +156,14 @@ class LocalEngine:
         self._snapshot = self._take_snapshot()  # replaced whole by the scheduler thread
         self._prefetch = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="radixcache-prefetch",
                                             initializer=serial_here)
+        self._prepare, self._prepared, self._prepare_error = prepare, threading.Event(), None
         self._thread = threading.Thread(target=self._run, name="radixcache-scheduler", daemon=True)
         self._thread.start()
+        self._prepared.wait()
+        if self._prepare_error is not None:
+            self._thread.join()
+            self._prefetch.shutdown(wait=False)
+            raise self._prepare_error
 
     # ------------------------------------------------------------------ EngineClient
     def limits(self) -> EngineLimits:
@@ -313,8 +322,16 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ the scheduler thread
     def _run(self) -> None:
-        if self.compute_threads is not None:
-            parallel_here(self.compute_threads)
+        try:
+            if self.compute_threads is not None:
+                parallel_here(self.compute_threads)
+            if self._prepare is not None:
+                self._prepare()
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
+            self._prepare_error = exc
+            return
+        finally:
+            self._prepared.set()
         engine = self.engine
         while True:
             if not engine.has_work:
