@@ -200,6 +200,9 @@ def test_a_half_precision_difference_names_the_dynamiccache_reference_too(capsys
     assert demo.exit_status([2], torch.bfloat16, reference=[2]) == 0
     err = capsys.readouterr().err
     assert "turn(s) [2]" in err and "DynamicCache reuse parts too" in err and "--dtype float32" in err
+    assert "compiled step" not in err
+    assert demo.exit_status([1], torch.bfloat16, compiled=True) == 0
+    assert "the compiled step's fused kernels round differently" in capsys.readouterr().err
 
 
 def test_demo_compile_compiles_radixcache_side_and_keeps_its_replies(tiny_model_dir, tmp_path, capsys,

@@ -315,15 +315,16 @@ def main(args) -> int:
 
     differing = [i for i, (p, c) in enumerate(zip(plain.turns, cached.turns), 1) if p.reply != c.reply]
     reference = [i for i, (p, r) in enumerate(zip(plain.turns, reused.turns), 1) if p.reply != r.reply]
-    return exit_status(differing, model.dtype, reference)
+    return exit_status(differing, model.dtype, reference, compiled=compile and cached_lm.compile_failed is None)
 
 
-def exit_status(differing: list, dtype, reference: list | None = None) -> int:
+def exit_status(differing: list, dtype, reference: list | None = None, compiled: bool = False) -> int:
     """The demo's exit status: 1 when greedy replies differ from plain ``generate`` in float32,
     where they must be equal token for token; in a half-precision dtype reused K/V may round in the
     last bits differently from one forward over the whole prompt (``docs/serving.md``, "Dtype"),
     as transformers' own ``DynamicCache`` reuse does (``reference``: the turns where it differs),
-    so a difference is explained, with the way to an exact run, and the status is 0."""
+    and so do a compiled step's fused kernels (``compiled``), so a difference is explained, with the
+    way to an exact run, and the status is 0."""
     if not differing:
         return 0
     if str(dtype) == "torch.float32":
@@ -331,7 +332,8 @@ def exit_status(differing: list, dtype, reference: list | None = None) -> int:
         return 1
     also = (f"; plain generate with its own DynamicCache reuse parts too, on turn(s) {reference}"
             if reference else "")
+    compiled_too = ", and the compiled step's fused kernels round differently from eager ones" if compiled else ""
     print(f"note: in {str(dtype).removeprefix('torch.')} the greedy replies of turn(s) {differing} part from "
           f"plain generate's: K/V reused from an earlier forward of another length round differently in "
-          f"the last bits{also}; --dtype float32 gives token-for-token equality", file=sys.stderr)
+          f"the last bits{compiled_too}{also}; --dtype float32 gives token-for-token equality", file=sys.stderr)
     return 0
