@@ -14,7 +14,11 @@
 #else
 #define CPU_CAPABILITY DEFAULT
 #endif
-#include <torch/extension.h>
+// ATen and the op registry only (not torch/extension.h and pybind11): a third of the build time
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -199,14 +203,14 @@ void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* table, 
 
 // query [T, H, D]; k_pool [N, Hkv, BS, D] and v_pool [N, Hkv, BS, Dv] (one layer); table [S, B]
 // int64; segments [M, 4] int64 rows (q_start, q_len, kv_len, table row); -> out [T, H, Dv].
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_pool, torch::Tensor v_pool,
-                              torch::Tensor table, torch::Tensor segments, double scale, int64_t window,
+at::Tensor paged_attention(at::Tensor query, at::Tensor k_pool, at::Tensor v_pool,
+                              at::Tensor table, at::Tensor segments, double scale, int64_t window,
                               double softcap) {
   TORCH_CHECK(query.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && k_pool.dim() == 4 && v_pool.dim() == 4, "query [T, H, D], pools [N, Hkv, BS, D]");
   TORCH_CHECK(query.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
               "query and pools must share a dtype");
-  TORCH_CHECK(table.scalar_type() == torch::kLong && segments.scalar_type() == torch::kLong, "int64 table and segments");
+  TORCH_CHECK(table.scalar_type() == at::kLong && segments.scalar_type() == at::kLong, "int64 table and segments");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "contiguous pools");
   auto q = query.contiguous();
   auto t = table.contiguous();
@@ -214,7 +218,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_pool, torch::
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_pool.size(1), block_size = k_pool.size(2);
   const int64_t dim_v = v_pool.size(3);
   TORCH_CHECK(k_pool.size(3) == dim && heads % kv_heads == 0, "head dims and head counts must agree");
-  auto out = torch::empty({q.size(0), heads, dim_v}, q.options());
+  auto out = at::empty({q.size(0), heads, dim_v}, q.options());
   const int64_t m = seg.size(0);
   std::vector<int64_t> q_start(m), q_len(m), kv_len(m), row(m);
   auto acc = seg.accessor<int64_t, 2>();
@@ -231,4 +235,9 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_pool, torch::
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_attention); }
+// torch.ops.radixcache_paged_cpu.paged_attention
+TORCH_LIBRARY(radixcache_paged_cpu, m) {
+  m.def("paged_attention(Tensor query, Tensor k_pool, Tensor v_pool, Tensor table, Tensor segments, float scale, "
+        "int window, float softcap) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(radixcache_paged_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -9,9 +9,10 @@ segment's query token ``t`` attends causally over its keys ``0 .. kv_len - q_len
 softmax in float32. Rows of tokens in no segment are left unwritten. Only slots below a segment's
 ``kv_len`` are read: a partly written block's stale slots never are.
 
-``kernel()`` builds the extension once per process (``torch.utils.cpp_extension``: a C++ compiler
-and ninja; cached under ``TORCH_EXTENSIONS_DIR`` across processes) and returns it, or None where it
-cannot be built, the reason logged once and kept in ``unavailable_reason()``.
+``kernel()`` builds the library once per process (``torch.utils.cpp_extension``: a C++ compiler
+and ninja, about 10 s on 2 cores; cached under ``TORCH_EXTENSIONS_DIR`` across processes), loads it
+as the op ``torch.ops.radixcache_paged_cpu.paged_attention`` and returns that namespace, or None
+where it cannot be built, the reason logged once and kept in ``unavailable_reason()``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ _BUILT: dict = {}
 
 
 def kernel():
-    """The built extension (its ``paged_attention``), or None where it cannot be built here."""
+    """The op namespace holding ``paged_attention``, or None where the kernel cannot be built here."""
     with _LOCK:
         if "module" not in _BUILT:
             _BUILT["module"], _BUILT["reason"] = _build()
@@ -50,11 +51,18 @@ def unavailable_reason() -> str | None:
 
 def _build():
     try:
+        import torch
         from torch.utils.cpp_extension import load
 
         digest = hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS)).encode()).hexdigest()[:12]
-        module = load(name=f"radixcache_paged_cpu_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        name = f"radixcache_paged_cpu_{digest}"
+        logger.info("radixcache: loading the in-place CPU paged attention (built on its first use on a "
+                    "machine, about 10 s)")
+        load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+        ops = torch.ops.radixcache_paged_cpu
+        ops.paged_attention  # noqa: B018 -- raises if the library registered nothing
     except Exception as exc:  # no compiler, no ninja, a build error: the gather path serves
         return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
-    return module, None
+    return ops, None
+
