@@ -6,7 +6,8 @@ dtype and the most sessions at once), ``DEFAULT_SERVERS`` is the order of the ta
 
 - ``radixcache``: ``radixcache serve`` at ``--dtype``; ``radixcache+compile``, ``radixcache+int8``
   and ``radixcache+compile+int8`` add ``--compile`` and / or ``--quantize int8``,
-  ``radixcache+inplace`` ``--attention torch-inplace`` (each its own row);
+  ``radixcache+gather`` ``--attention torch`` (the gather + SDPA reference; ``auto``, the default,
+  reads a half-precision pool in place on CPU) (each its own row);
 - ``transformers`` and ``transformers-cb``: ``transformers serve`` (without and with
   ``--continuous-batching``) at ``--dtype``;
 - ``llama-server``: llama.cpp's server, when ``llama-server`` is on PATH, on the GGUF file the
@@ -99,7 +100,7 @@ def llama_server_command(model_dir, port: int, run: Run) -> list[str]:
 SERVERS = {"radixcache": radixcache_command, "radixcache+compile": radixcache_configured("--compile"),
            "radixcache+int8": radixcache_configured("--quantize", "int8"),
            "radixcache+compile+int8": radixcache_configured("--compile", "--quantize", "int8"),
-           "radixcache+inplace": radixcache_configured("--attention", "torch-inplace"),
+           "radixcache+gather": radixcache_configured("--attention", "torch"),
            "transformers": transformers_command, "transformers-cb": transformers_cb_command,
            "llama-server": llama_server_command}
 DEFAULT_SERVERS = ("radixcache", "transformers", "transformers-cb", "llama-server")

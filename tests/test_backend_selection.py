@@ -1,12 +1,13 @@
 """Which attention backend ``resolve_backend`` picks, and the FlashInfer page table (CPU only)."""
 
 import importlib.util
+import logging
 
 import pytest
 import torch
 
 from radixcache import CacheError
-from radixcache.attention import Segment, resolve_backend
+from radixcache.attention import Segment, paged_cpu, resolve_backend
 from radixcache.attention.flashinfer_backend import FlashInferBackend, page_table
 from radixcache.attention.torch_backend import TorchBackend
 
@@ -19,9 +20,36 @@ def without_flashinfer(monkeypatch):
                         lambda name, *a, **k: None if name == "flashinfer" else real(name, *a, **k))
 
 
-def test_auto_on_cpu_is_torch():
-    backend = resolve_backend("auto", CPU)
-    assert isinstance(backend, TorchBackend) and backend.name == "torch"
+def test_auto_on_cpu_is_torch_in_float32_and_without_a_dtype():
+    for dtype in (None, torch.float32):
+        backend = resolve_backend("auto", CPU, dtype, dtype)
+        assert isinstance(backend, TorchBackend) and backend.name == "torch" and backend.kernel is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_auto_on_cpu_reads_a_half_precision_pool_in_place(dtype):
+    if paged_cpu.kernel() is None:
+        pytest.skip(f"no in-place kernel here: {paged_cpu.unavailable_reason()}")
+    backend = resolve_backend("auto", CPU, dtype, dtype)
+    assert backend.name == "torch-inplace" and backend.kernel is not None
+    # an fp8 pool is dequantized by the gather: the kernel reads the compute dtype only
+    assert resolve_backend("auto", CPU, dtype, torch.float8_e4m3fn).name == "torch"
+
+
+def test_auto_on_cpu_without_a_compiler_gathers_and_says_why_once(monkeypatch, tmp_path, caplog):
+    """A machine where the kernel cannot build (here: a C++ compiler that does not exist) serves a
+    bf16 model through the gather, the reason logged once; "torch-inplace" is refused saying it."""
+    monkeypatch.setattr(paged_cpu, "_BUILT", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    with caplog.at_level(logging.WARNING, logger="radixcache"):
+        for _ in range(2):
+            assert resolve_backend("auto", CPU, torch.bfloat16, torch.bfloat16).name == "torch"
+    assert caplog.text.count("in-place CPU paged attention is not available") == 1
+    reason = paged_cpu.unavailable_reason()
+    assert reason and "gathers each context" in caplog.text
+    with pytest.raises(CacheError, match="cannot build here"):
+        resolve_backend("torch-inplace", CPU, torch.bfloat16, torch.bfloat16)
 
 
 def test_torch_on_cpu_is_torch():

@@ -68,7 +68,7 @@ def test_demo_runs_on_a_tiny_local_model(tiny_model_dir, tmp_path, capsys, monke
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # leave torch threads be
     out_dir = tmp_path / "out"
     args = argparse.Namespace(model=str(path), turns=3, out=str(out_dir), system_tokens=120,
-                              max_new_tokens=6)
+                              max_new_tokens=6, dtype="float32")  # where equality is the contract
     assert demo.main(args) == 0
     printed = capsys.readouterr().out
     expected = "the chat template" if kind == "chat-template" else "plain text (no chat template)"
@@ -91,6 +91,22 @@ def test_demo_runs_on_a_tiny_local_model(tiny_model_dir, tmp_path, capsys, monke
     plot = out_dir / demo.PLOT_NAME
     assert f"plot written to {plot}" in printed
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_in_bfloat16_runs_the_in_place_kernel_and_names_it_where_a_reply_parts(tiny_model_dir, tmp_path,
+                                                                                      capsys, monkeypatch):
+    from radixcache.attention import paged_cpu
+
+    path, _ = tiny_model_dir
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    args = argparse.Namespace(model=str(path), turns=3, out=str(tmp_path / "out"), system_tokens=120,
+                              max_new_tokens=6, dtype="bfloat16")
+    assert demo.main(args) == 0  # a half-precision difference is explained, never a failure
+    printed = capsys.readouterr()
+    in_place = paged_cpu.kernel() is not None
+    assert f"backend={'torch-inplace' if in_place else 'torch'})" in printed.out
+    if "part from plain generate's" in printed.err:
+        assert ("the in-place attention kernel" in printed.err) == in_place
 
 
 def test_prompts_only_ever_grow_by_appending():
@@ -200,9 +216,12 @@ def test_a_half_precision_difference_names_the_dynamiccache_reference_too(capsys
     assert demo.exit_status([2], torch.bfloat16, reference=[2]) == 0
     err = capsys.readouterr().err
     assert "turn(s) [2]" in err and "DynamicCache reuse parts too" in err and "--dtype float32" in err
-    assert "compiled step" not in err
-    assert demo.exit_status([1], torch.bfloat16, compiled=True) == 0
+    assert "compiled step" not in err and "in-place" not in err
+    assert demo.exit_status([1], torch.bfloat16, kernels=["the compiled step's fused kernels"]) == 0
     assert "the compiled step's fused kernels round differently" in capsys.readouterr().err
+    assert demo.exit_status([1], torch.bfloat16, kernels=["the compiled step's fused kernels",
+                                                           "the in-place attention kernel"]) == 0
+    assert "fused kernels and the in-place attention kernel round differently" in capsys.readouterr().err
 
 
 def test_demo_compile_compiles_radixcache_side_and_keeps_its_replies(tiny_model_dir, tmp_path, capsys,

@@ -129,8 +129,9 @@ def test_the_backend_decodes_in_place_and_keeps_gathering_for_prefills(monkeypat
 
 @needs_kernel
 def test_only_torch_inplace_decodes_in_place():
-    """The default torch backend gathers (SDPA over exactly what a DynamicCache holds: plain
-    generate's tokens bit for bit); attention="torch-inplace" reads the pool in place."""
+    """The torch backend gathers (SDPA over exactly what a DynamicCache holds: plain generate's
+    tokens bit for bit), and so does a float32 wrap by default; attention="torch-inplace" reads the
+    pool in place, and so does a half-precision wrap by default."""
     import radixcache
     from tiny_models import tiny_model
 
@@ -141,6 +142,8 @@ def test_only_torch_inplace_decodes_in_place():
     lm = radixcache.wrap(tiny_model("llama"), attention="torch-inplace", max_cache_tokens=1024)
     assert lm.backend.name == "torch-inplace" and lm.backend.kernel is KERNEL and "torch-inplace" in repr(lm)
     assert radixcache.wrap(tiny_model("llama"), max_cache_tokens=1024).backend.kernel is None
+    half = radixcache.wrap(tiny_model("llama").to(torch.bfloat16), max_cache_tokens=1024)
+    assert half.backend.name == "torch-inplace" and half.backend.kernel is KERNEL
 
 
 @needs_kernel

@@ -63,8 +63,10 @@ def wrap(model, block_size: int = 16, max_cache_tokens: int | None = None, kv_dt
 
     ``max_cache_tokens`` sizes the KV pool (default: 25% of available RAM on CPU, 50% of free GPU
     memory on CUDA); ``kv_dtype`` is the pool's storage dtype (default the model's; "fp8" for
-    e4m3); ``attention`` picks the backend ("auto", "torch", "torch-inplace": decodes read the
-    pool in place on CPU, tokens may part from plain generate's in the last bits, or "flashinfer"); ``model_id`` names
+    e4m3); ``attention`` picks the backend ("torch": gather + SDPA, the reference;
+    "torch-inplace": decodes read the pool in place on CPU, tokens may part from plain generate's
+    in the last bits; "flashinfer"; "auto": ``radixcache.attention.resolve_backend``'s choice,
+    torch-inplace for a half-precision model on CPU, torch in float32, FlashInfer on CUDA); ``model_id`` names
     the weights (default: a digest of config and sampled weights, see ``model_identity``).
     ``store``: a shared KV tier, a ``redis://`` / ``rediss://`` URL (password or ACL user in the
     URL; ``?ttl=`` seconds) or any ``radixcache.store.BlockStore``; blocks committed here are

@@ -315,16 +315,22 @@ def main(args) -> int:
 
     differing = [i for i, (p, c) in enumerate(zip(plain.turns, cached.turns), 1) if p.reply != c.reply]
     reference = [i for i, (p, r) in enumerate(zip(plain.turns, reused.turns), 1) if p.reply != r.reply]
-    return exit_status(differing, model.dtype, reference, compiled=compile and cached_lm.compile_failed is None)
+    kernels = []
+    if compile and cached_lm.compile_failed is None:
+        kernels.append("the compiled step's fused kernels")
+    if cached_lm.backend is not None and cached_lm.backend.name == "torch-inplace":
+        kernels.append("the in-place attention kernel")
+    return exit_status(differing, model.dtype, reference, kernels)
 
 
-def exit_status(differing: list, dtype, reference: list | None = None, compiled: bool = False) -> int:
+def exit_status(differing: list, dtype, reference: list | None = None, kernels: list | tuple = ()) -> int:
     """The demo's exit status: 1 when greedy replies differ from plain ``generate`` in float32,
     where they must be equal token for token; in a half-precision dtype reused K/V may round in the
     last bits differently from one forward over the whole prompt (``docs/serving.md``, "Dtype"),
     as transformers' own ``DynamicCache`` reuse does (``reference``: the turns where it differs),
-    and so do a compiled step's fused kernels (``compiled``), so a difference is explained, with the
-    way to an exact run, and the status is 0."""
+    and so do kernels other than plain transformers' eager ones (``kernels``: what radixcache's side
+    ran, e.g. "the compiled step's fused kernels"), so a difference is explained, with the way to an
+    exact run, and the status is 0."""
     if not differing:
         return 0
     if str(dtype) == "torch.float32":
@@ -332,8 +338,9 @@ def exit_status(differing: list, dtype, reference: list | None = None, compiled:
         return 1
     also = (f"; plain generate with its own DynamicCache reuse parts too, on turn(s) {reference}"
             if reference else "")
-    compiled_too = ", and the compiled step's fused kernels round differently from eager ones" if compiled else ""
+    other = (f", and {' and '.join(kernels)} round differently from plain transformers' eager ones"
+             if kernels else "")
     print(f"note: in {str(dtype).removeprefix('torch.')} the greedy replies of turn(s) {differing} part from "
           f"plain generate's: K/V reused from an earlier forward of another length round differently in "
-          f"the last bits{compiled_too}{also}; --dtype float32 gives token-for-token equality", file=sys.stderr)
+          f"the last bits{other}{also}; --dtype float32 gives token-for-token equality", file=sys.stderr)
     return 0

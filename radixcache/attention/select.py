@@ -18,8 +18,12 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None =
     (``TorchBackend(in_place=True)``).
 
     "auto" picks FlashInfer on CUDA when it is installed and can serve the model's dtype (fp16 or
-    bf16 compute, a pool of the same dtype or fp8), the torch reference otherwise. Raises
-    ``ValueError`` for an unknown name and ``CacheError`` when "flashinfer" cannot run here.
+    bf16 compute, a pool of the same dtype or fp8); on a CPU, "torch-inplace" for a half-precision
+    model with a pool of its own dtype where the kernel builds (otherwise the reason is logged once),
+    since its decodes are faster and half precision already rounds reused K/V differently from one
+    forward over the whole prompt; the torch reference otherwise, float32 included, where the gather
+    keeps greedy tokens equal to plain ``generate``'s bit for bit. Raises ``ValueError`` for an
+    unknown name and ``CacheError`` when "flashinfer" or "torch-inplace" cannot run here.
     """
     if name not in NAMES:
         raise ValueError(f"attention must be one of {', '.join(map(repr, NAMES))}, got {name!r}")
@@ -36,6 +40,9 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None =
         from radixcache.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(device)
+    from radixcache.attention import paged_cpu
     from radixcache.attention.torch_backend import TorchBackend
 
-    return TorchBackend(in_place=name == "torch-inplace", device=device)
+    in_place = name == "torch-inplace" or (name == "auto" and device.type == "cpu" and dtype in half
+                                           and storage_dtype == dtype and paged_cpu.kernel() is not None)
+    return TorchBackend(in_place=in_place, device=device)

@@ -18,10 +18,10 @@ log-sum-exp (cascade); on CPU both halves run on torch's fused flash kernel in t
 ``TorchBackend(in_place=True)`` (``attention="torch-inplace"``): on CPU, decodes read their K/V
 in place through the small C++ kernel of ``paged_cpu`` (no gather; no cascade, except in half
 precision, where reading a shared prefix once still wins), with a pool stored in the compute dtype
-(float32, bfloat16, float16; not fp8). It is not the default: the gather feeds SDPA exactly the
-tensors plain transformers' ``DynamicCache`` would, so greedy tokens equal plain ``generate``'s
-bit for bit, while the kernel sums in another order (differences of 1e-7 in float32, of the last
-bit in bfloat16, that flip a near-tie). Prefills over a cached prefix stay on gather + SDPA (a GEMM
+(float32, bfloat16, float16; not fp8). "auto" picks it for half precision only: in float32 the
+gather feeds SDPA exactly the tensors plain transformers' ``DynamicCache`` would, so greedy tokens
+equal plain ``generate``'s bit for bit, while the kernel sums in another order (differences of 1e-7
+in float32, of the last bit in bfloat16, that flip a near-tie). Prefills over a cached prefix stay on gather + SDPA (a GEMM
 per head beats the kernel's per-query loop there).
 """
 
