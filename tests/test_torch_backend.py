@@ -14,9 +14,9 @@ from radixcache.kv.pool import KVPool
 
 
 def naive(q, keys, values, positions, scale, sliding_window=None, softcap=None):
-    """One query row at a time: q [H, d] at absolute position p sees keys 0..p."""
+    """One query row at a time: q [H, d] at absolute position p sees keys 0..p -> [H, dv]."""
     heads, kv_heads = q.shape[0], keys.shape[1]
-    out = torch.empty_like(q)
+    out = q.new_empty(heads, values.shape[-1])
     for h in range(heads):
         kh = h // (heads // kv_heads)
         lo = 0 if not sliding_window else max(0, positions - sliding_window + 1)

@@ -22,6 +22,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -80,11 +84,52 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += alpha * x
+// scores[j] = q . keys[j] for the keys j in [lo, hi), each key `dim` floats apart
+inline void dots(const float* q, const float* keys, int64_t dim, int64_t lo, int64_t hi, float* scores) {
+  int64_t j = lo;
+#if defined(CPU_CAPABILITY_AVX512)
+  // 16 keys at a time: a vector of partial sums per key, then one transpose-reduce of the 16
+  // vectors into the 16 scores (45 shuffles and adds instead of 16 horizontal sums)
+  if (dim % 16 == 0) {
+    for (; j + 16 <= hi; j += 16) {
+      __m512 part[16];
+      for (int k = 0; k < 16; ++k) part[k] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < dim; i += 16) {
+        const __m512 qi = _mm512_loadu_ps(q + i);
+        for (int k = 0; k < 16; ++k) part[k] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys + (j + k) * dim + i), part[k]);
+      }
+      __m512 pair[8], quad[4], half[2];
+      for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+        pair[k] = _mm512_add_ps(_mm512_unpacklo_ps(part[2 * k], part[2 * k + 1]),
+                                _mm512_unpackhi_ps(part[2 * k], part[2 * k + 1]));
+      for (int k = 0; k < 4; ++k)  // per 128-bit lane: one partial sum of each of 4 keys
+        quad[k] = _mm512_add_ps(_mm512_shuffle_ps(pair[2 * k], pair[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_ps(pair[2 * k], pair[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+      for (int k = 0; k < 2; ++k)  // 128-bit lanes added in pairs
+        half[k] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * k], quad[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(quad[2 * k], quad[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+      _mm512_storeu_ps(scores + j, _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                                 _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1))));
+    }
+  }
+#endif
+  for (; j < hi; ++j) scores[j] = dot(q, keys + j * dim, dim);
+}
+
+// y += sum over j in [lo, hi) of p[j] * values[j] (each value `n` floats apart), y held in
+// registers across the keys; per element the same fused sums, in the same order, as one axpy per key
+inline void weighted_sum(const float* p, const float* values, int64_t lo, int64_t hi, float* y, int64_t n) {
   int64_t i = 0;
-  const Vec a(alpha);
-  for (; i + Vec::size() <= n; i += Vec::size()) at::vec::fmadd(a, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
-  for (; i < n; ++i) y[i] += alpha * x[i];
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    Vec acc = Vec::loadu(y + i);
+    for (int64_t j = lo; j < hi; ++j) acc = at::vec::fmadd(Vec(p[j]), Vec::loadu(values + j * n + i), acc);
+    acc.store(y + i);
+  }
+  for (; i < n; ++i) {
+    float acc = y[i];
+    for (int64_t j = lo; j < hi; ++j) acc += p[j] * values[j * n + i];
+    y[i] = acc;
+  }
 }
 
 inline void scale_in_place(float alpha, float* y, int64_t n) {
@@ -169,11 +214,10 @@ void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* table, 
           float* sr = score.data() + r * block_size;
           float* pr = prob.data() + r * block_size;
           float block_peak = -std::numeric_limits<float>::infinity();
+          dots(qr, keys, dim, lo, hi, sr);
           for (int64_t j = lo; j < hi; ++j) {
-            float x = dot(qr, keys + j * dim, dim);
-            if (softcap > 0) x = static_cast<float>(softcap) * std::tanh(x / static_cast<float>(softcap));
-            sr[j] = x;
-            block_peak = std::max(block_peak, x);
+            if (softcap > 0) sr[j] = static_cast<float>(softcap) * std::tanh(sr[j] / static_cast<float>(softcap));
+            block_peak = std::max(block_peak, sr[j]);
           }
           float* ar = acc.data() + r * dim_v;
           const float new_peak = std::max(peak[r], block_peak);
@@ -184,7 +228,7 @@ void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* table, 
           }
           peak[r] = new_peak;
           total[r] += exp_shifted(sr, new_peak, pr, lo, hi);
-          for (int64_t j = lo; j < hi; ++j) axpy(pr[j], values + j * dim_v, ar, dim_v);
+          weighted_sum(pr, values, lo, hi, ar, dim_v);
         }
       }
       for (int64_t t = t0; t < t1; ++t) {
