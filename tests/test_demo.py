@@ -218,10 +218,10 @@ def test_a_half_precision_difference_names_the_dynamiccache_reference_too(capsys
     assert "turn(s) [2]" in err and "DynamicCache reuse parts too" in err and "--dtype float32" in err
     assert "compiled step" not in err and "in-place" not in err
     assert demo.exit_status([1], torch.bfloat16, kernels=["the compiled step's fused kernels"]) == 0
-    assert "the compiled step's fused kernels round differently" in capsys.readouterr().err
+    assert "the sums in the compiled step's fused kernels run in another order" in capsys.readouterr().err
     assert demo.exit_status([1], torch.bfloat16, kernels=["the compiled step's fused kernels",
                                                            "the in-place attention kernel"]) == 0
-    assert "fused kernels and the in-place attention kernel round differently" in capsys.readouterr().err
+    assert "fused kernels and the in-place attention kernel run in another order" in capsys.readouterr().err
 
 
 def test_demo_compile_compiles_radixcache_side_and_keeps_its_replies(tiny_model_dir, tmp_path, capsys,

@@ -338,8 +338,8 @@ def exit_status(differing: list, dtype, reference: list | None = None, kernels: 
         return 1
     also = (f"; plain generate with its own DynamicCache reuse parts too, on turn(s) {reference}"
             if reference else "")
-    other = (f", and {' and '.join(kernels)} round differently from plain transformers' eager ones"
-             if kernels else "")
+    other = (f", and the sums in {' and '.join(kernels)} run in another order than plain transformers' "
+             f"eager ones" if kernels else "")
     print(f"note: in {str(dtype).removeprefix('torch.')} the greedy replies of turn(s) {differing} part from "
           f"plain generate's: K/V reused from an earlier forward of another length round differently in "
           f"the last bits{other}{also}; --dtype float32 gives token-for-token equality", file=sys.stderr)

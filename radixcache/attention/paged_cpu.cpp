@@ -247,9 +247,8 @@ void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* table, 
 
 // query [T, H, D]; k_pool [N, Hkv, BS, D] and v_pool [N, Hkv, BS, Dv] (one layer); table [S, B]
 // int64; segments [M, 4] int64 rows (q_start, q_len, kv_len, table row); -> out [T, H, Dv].
-at::Tensor paged_attention(at::Tensor query, at::Tensor k_pool, at::Tensor v_pool,
-                              at::Tensor table, at::Tensor segments, double scale, int64_t window,
-                              double softcap) {
+at::Tensor paged_attention(at::Tensor query, at::Tensor k_pool, at::Tensor v_pool, at::Tensor table,
+                           at::Tensor segments, double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && k_pool.dim() == 4 && v_pool.dim() == 4, "query [T, H, D], pools [N, Hkv, BS, D]");
   TORCH_CHECK(query.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
