@@ -107,19 +107,32 @@ def test_dtype_is_bfloat16_where_the_cpu_has_native_bf16_matrix_units(tmp_path):
         parse("--dtype", "int8")
 
 
-def test_serve_runs_the_dtype_it_is_given(tmp_path):
-    """The real command in float32 and in bfloat16: it says which, and answers in both."""
+def serve_one_chat(model, *flags) -> tuple:
+    """Start ``radixcache serve`` on ``model`` (one thread, a 2,048-token pool) with ``flags``, send
+    one greedy chat completion and stop it: (what the server printed, the completion)."""
+    server = ServeProcess(model, "--max-cache-tokens", "2048", "--threads", "1", *flags)
+    try:
+        with server.client() as client:
+            reply = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0,
+                                                   messages=[{"role": "user", "content": "Tell me about rivers."}])
+        return server.output, reply
+    finally:
+        server.stop()
+
+
+def test_serve_runs_the_dtype_it_is_given_with_the_attention_auto_picks_for_it(tmp_path):
+    """The real command in float32 and in bfloat16: it says which, and which attention "auto" picked
+    (the gather in float32, where tokens equal plain generate's; in place in bfloat16 where the kernel
+    builds), and answers in both."""
+    from radixcache.attention import paged_cpu
+
     model = write_model_dir(tmp_path / "tiny", weights=True)
-    for dtype in ("float32", "bfloat16"):
-        server = ServeProcess(model, "--max-cache-tokens", "2048", "--dtype", dtype, "--log-level", "info")
-        try:
-            with server.client() as client:
-                reply = client.chat.completions.create(model="tiny", max_tokens=3, temperature=0,
-                                                       messages=[{"role": "user", "content": "Hi"}])
-            assert reply.usage.completion_tokens >= 1
-            assert f"model: LlamaForCausalLM, {dtype} on cpu" in server.output
-        finally:
-            server.stop()
+    in_place = "torch-inplace" if paged_cpu.kernel() is not None else "torch"
+    for dtype, attention in (("float32", "torch"), ("bfloat16", in_place)):
+        output, reply = serve_one_chat(model, "--dtype", dtype, "--log-level", "info")
+        assert reply.usage.completion_tokens >= 1
+        assert f"model: LlamaForCausalLM, {dtype} on cpu" in output, output
+        assert f"sets it), {attention} attention" in output, output
 
 
 def test_the_server_says_what_it_runs_and_one_line_per_request(tmp_path):
@@ -208,36 +221,22 @@ def test_serve_quantize_logs_the_greedy_agreement_and_serves(tmp_path):
     """Issue 32 item 5: --quantize int8 quantizes before the engine starts, logs how far greedy
     tokens still agree with the unquantized model, and serves."""
     pytest.importorskip("torchao")  # in the dev extra
-    model = write_model_dir(tmp_path / "tiny", weights=True)
-    server = ServeProcess(model, "--max-cache-tokens", "2048", "--dtype", "float32", "--threads", "1",
-                          "--quantize", "int8")
-    try:
-        assert re.search(r"quantize: int8 weight-only \(torchao, \d+ linear layers\); greedy agrees with the "
-                         r"unquantized model on the first \d+ of 32 probe tokens", server.output), server.output
-        with server.client() as client:
-            reply = client.chat.completions.create(model="tiny", max_tokens=4, temperature=0,
-                                                   messages=[{"role": "user", "content": "Hi"}])
-        assert reply.usage.completion_tokens >= 1
-    finally:
-        server.stop()
+    output, reply = serve_one_chat(write_model_dir(tmp_path / "tiny", weights=True), "--dtype", "float32",
+                                   "--quantize", "int8")
+    assert re.search(r"quantize: int8 weight-only \(torchao, \d+ linear layers\); greedy agrees with the "
+                     r"unquantized model on the first \d+ of 32 probe tokens", output), output
+    assert reply.usage.completion_tokens >= 1
 
 
-
-def test_serve_attention_torch_inplace_says_its_backend_and_serves(tmp_path):
-    """--attention torch-inplace: the start-up summary names the backend, decodes read the pool in
-    place, and a chat completion streams its tokens."""
+def test_serve_attention_overrides_what_auto_would_pick(tmp_path):
+    """--attention torch-inplace reads the pool in place in float32 too, and --attention torch
+    gathers in bfloat16: the start-up summary names the backend, and a chat completes."""
     from radixcache.attention import paged_cpu
 
     if paged_cpu.kernel() is None:
         pytest.skip(f"no in-place kernel here: {paged_cpu.unavailable_reason()}")
     model = write_model_dir(tmp_path / "tiny", weights=True)
-    server = ServeProcess(model, "--max-cache-tokens", "2048", "--dtype", "bfloat16", "--threads", "1",
-                          "--attention", "torch-inplace")
-    try:
-        assert "torch-inplace" in server.output, server.output
-        with server.client() as client:
-            reply = client.chat.completions.create(model="tiny", max_tokens=5, temperature=0,
-                                                   messages=[{"role": "user", "content": "Tell me about rivers."}])
+    for dtype, attention in (("float32", "torch-inplace"), ("bfloat16", "torch")):
+        output, reply = serve_one_chat(model, "--dtype", dtype, "--attention", attention)
+        assert f"sets it), {attention} attention" in output, output
         assert reply.usage.completion_tokens >= 1
-    finally:
-        server.stop()
