@@ -28,6 +28,17 @@ def test_defaults_are_the_issues():
     assert options.history_precompute and not options.share_cache_across_keys
 
 
+def test_attention_takes_every_backend_name_and_refuses_others(capsys):
+    from radixcache.attention.select import NAMES
+
+    for name in NAMES:
+        assert ServeOptions.from_args(parse("--attention", name)).attention == name
+    assert ServeOptions.from_args(parse()).attention == "auto"
+    with pytest.raises(SystemExit):
+        parse("--attention", "inplace")
+    assert "invalid choice: 'inplace'" in capsys.readouterr().err
+
+
 def test_options_are_read_and_checked(tmp_path, monkeypatch):
     model = write_model_dir(tmp_path / "m")
     template = tmp_path / "t.jinja"

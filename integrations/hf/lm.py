@@ -16,8 +16,8 @@ import os
 import time
 
 from radixcache.attention import resolve_backend
+from radixcache.attention.select import check_name as check_attention_name
 from radixcache.errors import CacheError
-from radixcache.attention.select import NAMES as ATTENTION_NAMES
 from radixcache.engine import Engine
 from radixcache.engine.request import request_namespace
 from radixcache.integrations.hf import batch as batch_path
@@ -43,8 +43,7 @@ def validate_wrap_arguments(model, block_size, max_cache_tokens, attention, mode
     """``TypeError``/``ValueError`` naming the first bad argument of ``wrap()``, before any work."""
     if not hasattr(model, "generate") or not hasattr(model, "config"):
         raise TypeError("wrap() takes a transformers PreTrainedModel with a generate() method")
-    if attention not in ATTENTION_NAMES:
-        raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION_NAMES))}, got {attention!r}")
+    check_attention_name(attention)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if model_id is not None and (not isinstance(model_id, str) or not model_id):

@@ -54,10 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only int8 (torchao, radixcache's [quantize] extra): fewer bytes per token, "
                              "changed tokens (the greedy agreement on a probe is logged); on a CPU it pays with "
                              "--compile only")
+    # radixcache.attention.select.NAMES (not imported: it would load torch for --help)
     parser.add_argument("--attention", choices=("auto", "torch", "torch-inplace", "flashinfer"), default="auto",
-                        help="the attention backend (default auto: FlashInfer on CUDA where installed, else torch); "
-                             "torch-inplace: on CPU, decodes read the KV pages where they lie (faster with many "
-                             "sessions; tokens may part from plain generate's in the last bits)")
+                        help="the attention backend; torch: gather + SDPA, the reference; torch-inplace: on CPU, "
+                             "decodes read the KV pages where they lie (faster; tokens may part from plain "
+                             "generate's in the last bits); default auto: FlashInfer on CUDA where installed, "
+                             "torch-inplace on CPU in bfloat16/float16, torch in float32")
     parser.add_argument("--max-cache-tokens", type=positive_int, metavar="N", default=None,
                         help="KV pool size in tokens (default: 25%% of free RAM on CPU, 50%% of free GPU memory)")
     parser.add_argument("--block-size", type=positive_int, metavar="N", default=16,

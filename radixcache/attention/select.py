@@ -11,6 +11,12 @@ from radixcache.errors import CacheError
 NAMES = ("auto", "torch", "torch-inplace", "flashinfer")
 
 
+def check_name(name) -> None:
+    """``ValueError`` naming the choices unless ``name`` is one of ``NAMES``."""
+    if name not in NAMES:
+        raise ValueError(f"attention must be one of {', '.join(map(repr, NAMES))}, got {name!r}")
+
+
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
                     storage_dtype: torch.dtype | None = None):
     """The attention backend for ``name`` ("auto", "torch", "torch-inplace" or "flashinfer") on
@@ -25,8 +31,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None =
     keeps greedy tokens equal to plain ``generate``'s bit for bit. Raises ``ValueError`` for an
     unknown name and ``CacheError`` when "flashinfer" or "torch-inplace" cannot run here.
     """
-    if name not in NAMES:
-        raise ValueError(f"attention must be one of {', '.join(map(repr, NAMES))}, got {name!r}")
+    check_name(name)
     device = torch.device(device)
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
     half = (torch.float16, torch.bfloat16)

@@ -21,8 +21,8 @@ precision, where reading a shared prefix once still wins), with a pool stored in
 (float32, bfloat16, float16; not fp8). "auto" picks it for half precision only: in float32 the
 gather feeds SDPA exactly the tensors plain transformers' ``DynamicCache`` would, so greedy tokens
 equal plain ``generate``'s bit for bit, while the kernel sums in another order (differences of 1e-7
-in float32, of the last bit in bfloat16, that flip a near-tie). Prefills over a cached prefix stay on gather + SDPA (a GEMM
-per head beats the kernel's per-query loop there).
+in float32, of the last bit in bfloat16, that flip a near-tie). Prefills over a cached prefix stay
+on gather + SDPA (a GEMM per head beats the kernel's per-query loop there).
 """
 
 from __future__ import annotations
