@@ -10,8 +10,8 @@ query heads) and dtype, one layer's pool with its blocks scattered at random, an
 - a 100-token suffix over 1,500 and over 8,000 cached tokens (the backend keeps gather + SDPA for
   these; the kernel's own time is shown for the record).
 
-Sides: ``TorchBackend()`` (attention "torch", the default: gather each context, then SDPA; cascade
-for the shared prefix), and the in-place kernel (``radixcache.attention.paged_cpu``) on the same
+Sides: ``TorchBackend()`` (attention "torch", and "auto" in float32: gather each context, then
+SDPA; cascade for the shared prefix), and the in-place kernel (``radixcache.attention.paged_cpu``) on the same
 step. Reps alternate the sides; medians; the ratio is in place over gather + SDPA, its range per
 repetition. The last column says what attention "torch-inplace" runs for that step: the kernel
 for decodes, except over a shared prefix in half precision (the cascade), and gather + SDPA for a

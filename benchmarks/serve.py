@@ -1,11 +1,11 @@
 """Agent loop over HTTP: the same multi-turn workload through the ``openai`` client, server by server.
 
-Each server (``serve_servers.py``: radixcache, optionally also with ``--compile`` and / or
-``--quantize int8`` as rows of their own, ``transformers serve`` without and with continuous
-batching, and llama.cpp's ``llama-server`` when it is on PATH, on the GGUF the embedded model comes
-from, started anew for each number of sessions) is started as a subprocess on a free loopback port, on the same local model
-(offline: ``HF_HUB_OFFLINE=1``), warmed up with one short request and then driven by ``sessions``
-concurrent agent sessions (1, 8, then 16). Every server but llama-server (whose GGUF is Q4_1)
+Each server (``serve_servers.py``: radixcache, optionally also with ``--compile``, ``--quantize
+int8`` or ``--attention torch`` as rows of their own, ``transformers serve`` without and with
+continuous batching, and llama.cpp's ``llama-server`` when it is on PATH, on the GGUF the embedded
+model comes from, started anew for each number of sessions) is started as a subprocess on a free
+loopback port, on the same local model (offline: ``HF_HUB_OFFLINE=1``), warmed up with one short
+request and then driven by ``sessions`` concurrent agent sessions (1, 8, then 16). Every server but llama-server (whose GGUF is Q4_1)
 runs at one ``--dtype`` (default auto: ``radixcache.models.default_dtype``, bfloat16 on CPUs with
 native bf16 matrix units), and so does the in-process reference; the dtype is printed. A session is the demo's agent: a system message with the
 tool preamble (``radixcache.app.demo.build_system_prompt``, about 1,500 tokens on SmolLM2), then per

@@ -75,7 +75,8 @@ def radixcache_command(model_dir, port: int, run: Run, *options: str) -> list[st
 
 
 def radixcache_configured(*options: str):
-    """A builder of ``radixcache serve`` with ``options`` (``--compile``, ``--quantize int8``)."""
+    """A builder of ``radixcache serve`` with ``options`` (``--compile``, ``--quantize int8``,
+    ``--attention torch``)."""
     return lambda model_dir, port, run: radixcache_command(model_dir, port, run, *options)
 
 
